@@ -1,0 +1,398 @@
+"""Fine-tune a BERT-family encoder on a GLUE task (or your own data) with mixed precision.
+
+    accelerate launch recipes/bert_glue.py --task_name mrpc --mixed_precision fp16
+    python recipes/bert_glue.py --task_name mrpc --data_dir $GLUE_DIR --model_name_or_path ./my-bert
+
+accelerate owns autocast and the fp16 GradScaler (`--mixed_precision`, or the accelerate
+config); this file only asks for them and reports what is really in effect. Copy it as the
+template for your own job: everything about the loop and precision is in this one file.
+"""
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+
+from amp_recipes.data import GLUE_TASKS, InputError, load_glue, load_user_files
+from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
+from amp_recipes.precision import describe_precision
+from amp_recipes.training import (
+    RunRecord,
+    load_metric,
+    make_collator,
+    optimizer_grouped_parameters,
+    tokenize_splits,
+    train_sampler,
+)
+
+logger = get_logger(__name__)
+
+
+# ----------------------------------------------------------------------------- args
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    data = parser.add_argument_group("data")
+    data.add_argument("--task_name", choices=sorted(GLUE_TASKS), help="GLUE task (else use --train_file).")
+    data.add_argument(
+        "--data_dir",
+        default=os.environ.get("GLUE_DIR"),
+        help="Classic GLUE TSV folder (default: $GLUE_DIR); without it GLUE comes from the Hub.",
+    )
+    data.add_argument("--train_file", help="Your own training data: .csv, .tsv, .json or .jsonl.")
+    data.add_argument("--validation_file", help="Your own validation data, same format as --train_file.")
+    data.add_argument(
+        "--text_columns",
+        help="Comma-separated text column(s) of your files "
+        "(default: sentence1,sentence2 or sentence or text).",
+    )
+    data.add_argument(
+        "--label_column", default="label", help="Label column of your files; float labels mean regression."
+    )
+    data.add_argument("--max_seq_length", type=int, default=128)
+    data.add_argument(
+        "--max_train_samples", type=int, help="Use only the first N training examples (quick runs)."
+    )
+    data.add_argument(
+        "--max_eval_samples", type=int, help="Use only the first N examples of each eval split."
+    )
+    data.add_argument(
+        "--group_by_length", action="store_true", help="Batch sequences of similar length (less padding)."
+    )
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
+    model.add_argument(
+        "--ignore_mismatched_sizes",
+        action="store_true",
+        help="Re-initialise a classifier head whose number of labels differs from the task's.",
+    )
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--per_device_train_batch_size", type=int, default=32)
+    train.add_argument("--per_device_eval_batch_size", type=int, default=128)
+    train.add_argument("--learning_rate", type=float, default=2e-5)
+    train.add_argument("--weight_decay", type=float, default=0.01)
+    train.add_argument("--num_train_epochs", type=int, default=3)
+    train.add_argument("--max_train_steps", type=int, help="Stop after N optimizer steps (overrides epochs).")
+    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument(
+        "--warmup_ratio", type=float, default=0.1, help="Fraction of steps with linear LR warm-up."
+    )
+    train.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient clipping; 0 turns it off.")
+    train.add_argument("--seed", type=int, default=42)
+    train.add_argument(
+        "--mixed_precision",
+        choices=["no", "fp16", "bf16"],
+        default=None,
+        help="Default: whatever `accelerate launch` / its config file says (else fp32).",
+    )
+
+    output = parser.add_argument_group("evaluation, logging and output")
+    output.add_argument(
+        "--eval_steps", type=int, help="Also evaluate every N optimizer steps (always each epoch)."
+    )
+    output.add_argument("--logging_steps", type=int, default=10)
+    output.add_argument("--report_to", choices=["none", "wandb", "tensorboard", "all"], default="none")
+    output.add_argument("--project_name", default="amp-recipes", help="W&B project / TensorBoard folder.")
+    output.add_argument("--run_name", help="W&B run name.")
+    output.add_argument("--wandb_group", help="W&B group, e.g. one per fp32/fp16 pair.")
+    output.add_argument("--wandb_job_type", help="W&B job type, e.g. the precision arm.")
+    output.add_argument(
+        "--output_dir", help="Where the model, eval_results.json and logs go (default: outputs/<task>)."
+    )
+    args = parser.parse_args(argv)
+
+    if args.task_name and args.train_file:
+        parser.error("use either --task_name (GLUE) or --train_file/--validation_file (your data), not both.")
+    if not args.task_name and not (args.train_file and args.validation_file):
+        parser.error("give --task_name, or both --train_file and --validation_file.")
+    for name in (
+        "max_seq_length",
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+        "num_train_epochs",
+    ):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1.")
+    if not 0 <= args.warmup_ratio < 1:
+        parser.error("--warmup_ratio must be in [0, 1).")
+    args.output_dir = args.output_dir or os.path.join("outputs", args.task_name or "custom")
+    return args
+
+
+def evaluate(model, dataloader, metric, accelerator, is_regression):
+    model.eval()
+    with torch.inference_mode():  # no autograd bookkeeping: eval batches can be larger and faster
+        for batch in dataloader:
+            logits = model(**batch).logits
+            predictions = logits.squeeze(-1).float() if is_regression else logits.argmax(dim=-1)
+            # gather_for_metrics drops the samples the last batch repeats to fill every process.
+            predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
+            metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
+    model.train()
+    return metric.compute()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+
+    # ------------------------------------------------------------------------- accelerator
+    # mixed_precision=None lets `accelerate launch --mixed_precision` or the config file decide.
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+    )
+    precision = describe_precision(accelerator, args.mixed_precision)
+    logger.info(f"Precision: {precision}", main_process_only=True)
+    if "precision_note" in precision:
+        logger.warning(precision["precision_note"], main_process_only=True)
+    set_seed(args.seed)
+
+    # ------------------------------------------------------------------------- data
+    if args.task_name:
+        task = load_glue(args.task_name, args.data_dir)
+    else:
+        text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
+        task = load_user_files(args.train_file, args.validation_file, text_columns, args.label_column)
+    if args.max_train_samples:
+        task.splits["train"] = task.splits["train"].select(
+            range(min(args.max_train_samples, task.splits["train"].num_rows))
+        )
+    if args.max_eval_samples:
+        for split in task.eval_splits:
+            task.splits[split] = task.splits[split].select(
+                range(min(args.max_eval_samples, task.splits[split].num_rows))
+            )
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+        config = AutoConfig.from_pretrained(
+            args.model_name_or_path, num_labels=task.num_labels, finetuning_task=task.name
+        )
+    except OSError as error:
+        raise InputError(
+            f"Could not load model {args.model_name_or_path!r} ({str(error).splitlines()[0]}). Offline? Pass a local "
+            "directory holding config.json, the weights and the tokenizer as --model_name_or_path, and set HF_HUB_OFFLINE=1."
+        ) from error
+    with (
+        accelerator.main_process_first()
+    ):  # the main process tokenises and caches; the others reuse the cache
+        tokenized = tokenize_splits(task, tokenizer, args.max_seq_length)
+
+    collator = make_collator(tokenizer, accelerator.mixed_precision)
+    sampler = train_sampler(
+        tokenized["train"], args.per_device_train_batch_size, args.group_by_length, args.seed
+    )
+    train_dataloader = DataLoader(
+        tokenized["train"],
+        batch_size=args.per_device_train_batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        collate_fn=collator,
+        pin_memory=accelerator.device.type == "cuda",
+    )
+    eval_dataloaders = {
+        split: DataLoader(
+            tokenized[split],
+            batch_size=args.per_device_eval_batch_size,
+            collate_fn=collator,
+            pin_memory=accelerator.device.type == "cuda",
+        )
+        for split in task.eval_splits
+    }
+
+    # ------------------------------------------------------------------------- model
+    if not task.is_regression:
+        config.id2label = dict(enumerate(task.label_names))
+        config.label2id = {name: i for i, name in enumerate(task.label_names)}
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            args.model_name_or_path, config=config, ignore_mismatched_sizes=args.ignore_mismatched_sizes
+        )
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        raise InputError(
+            f"The classifier head of {args.model_name_or_path!r} does not have the {task.num_labels} output(s) "
+            "this task needs; pass --ignore_mismatched_sizes to start a new head."
+        ) from error
+    if next(model.parameters()).dtype != torch.float32:
+        raise InputError(
+            "Load the model in float32: accelerate's autocast casts per operation, and fp16 weights "
+            "break the GradScaler ('Attempting to unscale FP16 gradients')."
+        )
+
+    # ------------------------------------------------------------------------- optimizer
+    # Fused AdamW is fastest on CUDA, but with fp16's GradScaler accelerate cannot see a skipped
+    # step through it (the scheduler would advance anyway), so fused is used only without a scaler.
+    fused = accelerator.device.type == "cuda" and accelerator.mixed_precision != "fp16"
+    optimizer = torch.optim.AdamW(
+        optimizer_grouped_parameters(model, args.weight_decay),
+        lr=args.learning_rate,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )
+
+    # ------------------------------------------------------------------------- prepare
+    model, optimizer, train_dataloader, *eval_loaders = accelerator.prepare(
+        model, optimizer, train_dataloader, *eval_dataloaders.values()
+    )
+    eval_dataloaders = dict(zip(eval_dataloaders, eval_loaders, strict=True))
+    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    max_train_steps = args.max_train_steps or steps_per_epoch * args.num_train_epochs
+    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
+    # The prepared scheduler steps once per process per optimizer step, hence the factor.
+    scheduler_steps = max_train_steps * accelerator.num_processes
+    lr_scheduler = accelerator.prepare(
+        get_scheduler(
+            "linear",
+            optimizer,
+            num_warmup_steps=int(args.warmup_ratio * scheduler_steps),
+            num_training_steps=scheduler_steps,
+        )
+    )
+    metric = load_metric(task.metric_config)
+
+    total_batch_size = (
+        args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    )
+    run_config = {
+        **vars(args),
+        **precision,
+        "total_train_batch_size": total_batch_size,
+        "max_train_steps": max_train_steps,
+        "num_processes": accelerator.num_processes,
+        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,
+    }
+    if args.report_to != "none":
+        wandb_kwargs = {"name": args.run_name, "group": args.wandb_group, "job_type": args.wandb_job_type}
+        accelerator.init_trackers(
+            args.project_name,
+            config={
+                k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in run_config.items()
+            },
+            init_kwargs={"wandb": {k: v for k, v in wandb_kwargs.items() if v}},
+        )
+    record = RunRecord(args.output_dir, enabled=accelerator.is_main_process)
+    logger.info(
+        f"{task.name}: {tokenized['train'].num_rows} training examples, {num_epochs} epoch(s), "
+        f"{max_train_steps} optimizer steps, total batch size {total_batch_size}",
+        main_process_only=True,
+    )
+
+    # ------------------------------------------------------------------------- train
+    def run_evaluation(step, epoch):
+        nonlocal eval_seconds
+        started = time.perf_counter()
+        results = {"epoch": epoch}
+        for split, dataloader in eval_dataloaders.items():
+            suffix = "_mm" if split == "validation_mismatched" else ""
+            scores = evaluate(model, dataloader, metric, accelerator, task.is_regression)
+            results.update({f"eval_{name}{suffix}": value for name, value in scores.items()})
+        logger.info(f"step {step}: {results}", main_process_only=True)
+        accelerator.log(results, step=step)
+        record.log(results, step)
+        duration = time.perf_counter() - started
+        eval_seconds += duration
+        meter.exclude(duration)  # throughput counts training time only
+        return results
+
+    meter = ThroughputMeter(accelerator.device)
+    progress = tqdm(range(max_train_steps), disable=not accelerator.is_local_main_process, desc="Training")
+    completed_steps, window_loss, window_batches = 0, torch.zeros((), device=accelerator.device), 0
+    train_started = time.perf_counter()
+    train_samples, train_tokens, eval_seconds, results = 0, 0, 0.0, {}
+    model.train()
+    for epoch in range(num_epochs):
+        for batch in train_dataloader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()  # accelerate holds it back on accumulation steps and skipped fp16 steps
+                optimizer.zero_grad()
+            window_loss += loss.detach()  # stays on the device: no per-step synchronisation
+            window_batches += 1
+            meter.update(batch)
+            if not accelerator.sync_gradients:
+                continue
+            completed_steps += 1
+            progress.update(1)
+            if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
+                throughput = meter.read(accelerator)
+                train_samples += throughput["samples"]
+                train_tokens += throughput["tokens"]
+                logs = {
+                    "loss": accelerator.reduce(window_loss, reduction="mean").item() / window_batches,
+                    "learning_rate": lr_scheduler.get_last_lr()[0],
+                    "epoch": completed_steps / steps_per_epoch,
+                    **{
+                        k: throughput[k]
+                        for k in ("samples_per_second", "tokens_per_second", "padding_fraction")
+                    },
+                }
+                window_loss.zero_()
+                window_batches = 0
+                progress.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}")
+                accelerator.log(logs, step=completed_steps)
+                record.log(logs, completed_steps)
+            if args.eval_steps and completed_steps % args.eval_steps == 0:
+                results = run_evaluation(completed_steps, epoch + 1)
+            if completed_steps >= max_train_steps:
+                break
+        if not (args.eval_steps and completed_steps % args.eval_steps == 0):
+            results = run_evaluation(completed_steps, epoch + 1)
+    train_seconds = time.perf_counter() - train_started - eval_seconds
+    progress.close()
+
+    # ------------------------------------------------------------------------- save
+    accelerator.wait_for_everyone()
+    accelerator.unwrap_model(model).save_pretrained(
+        args.output_dir,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=accelerator.get_state_dict(model),
+    )
+    summary = {
+        **results,
+        **precision,
+        "task_name": task.name,
+        "model_name_or_path": args.model_name_or_path,
+        "train_steps": completed_steps,
+        "train_runtime_seconds": train_seconds,
+        "train_samples_per_second": train_samples / train_seconds,
+        "train_tokens_per_second": train_tokens / train_seconds,
+        "peak_memory_bytes": peak_memory_bytes(accelerator.device),
+        "num_processes": accelerator.num_processes,
+        "total_train_batch_size": total_batch_size,
+    }
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(args.output_dir)
+        record.write_results(summary)  # written last: its presence means the run finished
+    logger.info(f"Saved model and eval_results.json to {args.output_dir}: {results}", main_process_only=True)
+    accelerator.end_training()
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except InputError as error:
+        sys.exit(f"error: {error}")

@@ -1,0 +1,34 @@
+"""The repository's docs and configs match the code."""
+
+import re
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+from conftest import RECIPES, REPO
+
+
+def recipe_parser_flags(name):
+    source = (RECIPES / f"{name}.py").read_text()
+    return set(re.findall(r'add_argument\(\s*"(--[a-z_]+)"', source))
+
+
+def test_every_recipe_flag_is_in_the_readme_table():
+    readme = (REPO / "README.md").read_text()
+    documented = set(re.findall(r"`(--[a-z_]+)`", readme))
+    missing = recipe_parser_flags("bert_glue") - documented
+    assert not missing, f"flags missing from README.md: {sorted(missing)}"
+
+
+def test_recipes_open_with_their_command():
+    for recipe in RECIPES.glob("*.py"):
+        first_lines = recipe.read_text().split('"""')[1]
+        assert f"recipes/{recipe.name}" in first_lines, recipe
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "accelerate_configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_load_and_open_with_their_command(config):
+    loaded = load_config_from_file(str(config))
+    assert loaded.mixed_precision in ("no", "fp16", "bf16")
+    assert config.read_text().startswith(
+        f"# accelerate launch --config_file accelerate_configs/{config.name}"
+    )
