@@ -134,7 +134,10 @@ def parse_args(argv=None):
 
 def evaluate(model, dataloader, metric, accelerator, is_regression):
     model.eval()
-    with torch.inference_mode():  # no autograd bookkeeping: eval batches can be larger and faster
+    # fork_rng: iterating a DataLoader draws from the global RNG, and evaluating must not change
+    # the dropout and shuffling that training sees next (same run, whatever --eval_steps is).
+    cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices), torch.inference_mode():
         for batch in dataloader:
             logits = model(**batch).logits
             predictions = logits.squeeze(-1).float() if is_regression else logits.argmax(dim=-1)
@@ -348,6 +351,10 @@ def main(argv=None):
                         for k in ("samples_per_second", "tokens_per_second", "padding_fraction")
                     },
                 }
+                if (
+                    accelerator.scaler is not None
+                ):  # fp16: the dynamic loss scale accelerate's GradScaler uses
+                    logs["loss_scale"] = accelerator.scaler.get_scale()
                 window_loss.zero_()
                 window_batches = 0
                 progress.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}")

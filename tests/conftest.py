@@ -12,7 +12,8 @@ for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "
 os.environ.setdefault("WANDB_MODE", "offline")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+# ../shared beside the checkout; scripts/gpu_check.sh points this at a copy it carries along.
+SHARED = Path(os.environ.get("AMP_SHARED_DIR", REPO.parent / "shared"))
 GLUE_DIR = Path(os.environ.get("GLUE_DIR", SHARED / "data" / "glue"))
 TINY_BERT = SHARED / "models" / "tiny-random-bert"
 BERT_BASE_CONFIG = SHARED / "models" / "bert-base-uncased"
@@ -60,3 +61,16 @@ def run(cmd, tmp_path, timeout=600, **env):
 
 def accelerate_launch(*args):
     return [sys.executable, "-m", "accelerate.commands.launch", *args]
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests need CUDA: skip them cleanly elsewhere."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

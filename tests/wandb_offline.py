@@ -35,9 +35,11 @@ def read_records(path):
     return records
 
 
-def offline_run(wandb_dir):
-    """The single offline run under `wandb_dir`: its run record, config and history rows."""
-    run_files = list(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
+def offline_run(wandb_dir, run_dir=None):
+    """The single offline run under `wandb_dir` (or the run in `run_dir`): its run record,
+    config and history rows."""
+    pattern = "run-*.wandb" if run_dir else "wandb/offline-run-*/run-*.wandb"
+    run_files = list(Path(run_dir or wandb_dir).glob(pattern))
     assert len(run_files) == 1, run_files
     run, config, history = None, {}, []
     for record in read_records(run_files[0]):

@@ -1,0 +1,569 @@
+"""Paired precision benchmark: what fp16 / bf16 / tf32 buy over fp32 for one model and sequence length.
+
+    python scripts/benchmark_precision.py --arms fp32,fp16
+    accelerate launch scripts/benchmark_precision.py --arms fp32,tf32,fp16,bf16 --report_to wandb
+    python scripts/benchmark_precision.py --arms fp32,bf16 --memory_budget_gb 6   # on a CPU
+
+Each arm, and each trial of the batch-size search, runs in its own fresh process (accelerate's
+state is a per-process singleton, and peak memory must not carry over), with the same seed, the
+same initial weights and the same batches. Default workload: the exact BERT-base architecture
+(`BertConfig()` defaults are bert-base-uncased's) with random weights, on synthetic token
+batches, so nothing is downloaded. Reports go to --output_dir: results.json (every figure and
+the hardware/software record), results.md and results.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ARMS = {  # arm -> (accelerate mixed_precision, TF32 matmuls allowed)
+    "fp32": ("no", False),
+    "tf32": ("no", True),
+    "fp16": ("fp16", False),
+    "bf16": ("bf16", False),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--arms", default="fp32,tf32,fp16,bf16", help="Comma-separated subset of fp32,tf32,fp16,bf16."
+    )
+    parser.add_argument(
+        "--model_name_or_path", help="Pretrained sequence-classification model (Hub id or directory)."
+    )
+    parser.add_argument(
+        "--config_name", help="Config (id or directory) for random weights; default BertConfig()."
+    )
+    parser.add_argument(
+        "--task_name", help="Time real GLUE batches of this task instead of synthetic tokens."
+    )
+    parser.add_argument("--data_dir", default=os.environ.get("GLUE_DIR"), help="GLUE folder for --task_name.")
+    parser.add_argument("--tokenizer_name", help="Tokenizer for --task_name (default: the model's).")
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--batch_size", type=int, default=32, help="Batch size of the timed run.")
+    parser.add_argument(
+        "--warmup_steps", type=int, default=5, help="Untimed steps first (allocator, kernels)."
+    )
+    parser.add_argument("--timed_steps", type=int, default=20)
+    parser.add_argument("--learning_rate", type=float, default=2e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--memory_budget_gb",
+        type=float,
+        help="Cap for the batch-size search (a smaller GPU; required on a CPU).",
+    )
+    parser.add_argument("--no_search", action="store_true", help="Skip the max-batch-size search.")
+    parser.add_argument("--search_start", type=int, default=8)
+    parser.add_argument("--search_max", type=int, default=8192, help="Largest batch size tried.")
+    parser.add_argument("--search_granularity", type=int, default=8, help="Bisection stops at this step.")
+    parser.add_argument("--output_dir", help="Default: bench_results/<bench_id>.")
+    parser.add_argument("--bench_id", default=time.strftime("bench-%Y%m%d-%H%M%S"))
+    parser.add_argument("--report_to", choices=["none", "wandb"], default="none")
+    parser.add_argument("--project_name", default="amp-recipes-benchmark")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: spec file of one arm/trial
+    args = parser.parse_args(argv)
+    if args.worker:
+        return args
+    args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    unknown = [arm for arm in args.arms if arm not in ARMS]
+    if unknown or not args.arms:
+        parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}.")
+    if args.model_name_or_path and args.config_name:
+        parser.error(
+            "use --model_name_or_path (pretrained weights) or --config_name (random weights), not both."
+        )
+    if args.task_name and not (args.tokenizer_name or args.model_name_or_path or args.config_name):
+        parser.error(
+            "--task_name needs a tokenizer: pass --model_name_or_path, --config_name or --tokenizer_name."
+        )
+    for name in ("seq_len", "batch_size", "timed_steps", "search_start", "search_granularity"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1.")
+    args.output_dir = args.output_dir or os.path.join("bench_results", args.bench_id)
+    return args
+
+
+# =============================================================================== worker
+def current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def build_model(config: dict):
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig
+
+    if config["model_name_or_path"]:
+        return AutoModelForSequenceClassification.from_pretrained(
+            config["model_name_or_path"], num_labels=2, ignore_mismatched_sizes=True, dtype=torch.float32
+        )
+    model_config = (
+        AutoConfig.from_pretrained(config["config_name"]) if config["config_name"] else BertConfig()
+    )
+    model_config.num_labels = 2
+    return AutoModelForSequenceClassification.from_config(model_config)
+
+
+def make_batches(config: dict, model_config, batch_size: int, count: int):
+    """`count` batches of exactly batch_size x seq_len, identical for every arm (seeded)."""
+    import torch
+
+    seq_len = config["seq_len"]
+    if config["task_name"]:
+        from transformers import AutoTokenizer
+
+        from amp_recipes.data import load_glue
+
+        task = load_glue(config["task_name"], config["data_dir"])
+        tokenizer = AutoTokenizer.from_pretrained(
+            config["tokenizer_name"] or config["model_name_or_path"] or config["config_name"]
+        )
+        rows = task.splits["train"].select(range(min(task.splits["train"].num_rows, batch_size * count)))
+        texts = [rows[column] for column in task.text_columns]
+        encoded = tokenizer(
+            *texts, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt"
+        )
+        labels = torch.tensor(rows["label"]).long() % 2
+        repeats = -(-batch_size * count // len(labels))  # small tasks are cycled to fill every batch
+        columns = {k: v.repeat(repeats, 1) for k, v in encoded.items()} | {"labels": labels.repeat(repeats)}
+        return [
+            {k: v[i * batch_size : (i + 1) * batch_size] for k, v in columns.items()} for i in range(count)
+        ]
+    generator = torch.Generator().manual_seed(1234)
+    low = min(
+        1000, model_config.vocab_size // 2
+    )  # skip special tokens at the start of BERT-style vocabularies
+    return [
+        {
+            "input_ids": torch.randint(
+                low, model_config.vocab_size, (batch_size, seq_len), generator=generator
+            ),
+            "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
+            "labels": torch.randint(0, 2, (batch_size,), generator=generator),
+        }
+        for _ in range(count)
+    ]
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def run_worker(spec_path: str) -> None:
+    """One arm at one batch size in this fresh process; writes its figures as JSON."""
+    spec = json.loads(Path(spec_path).read_text())
+    config, arm, batch_size = spec["config"], spec["arm"], spec["batch_size"]
+    rss_at_start = current_rss_bytes()
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from amp_recipes.flops import matmul_parameters, training_flops_per_step
+    from amp_recipes.hardware import hardware_record
+    from amp_recipes.precision import describe_precision
+
+    mixed_precision, tf32 = ARMS[arm]
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    accelerator = Accelerator(mixed_precision=mixed_precision)
+    device = accelerator.device
+    budget = config["memory_budget_gb"] and int(config["memory_budget_gb"] * 2**30)
+    if budget and device.type == "cuda":  # emulate a smaller GPU: allocations past it raise OOM
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    set_seed(config["seed"])  # same initial weights in every arm
+    model = build_model(config)
+    steps = spec["warmup_steps"] + spec["timed_steps"]
+    batches = make_batches(config, model.config, batch_size, steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["learning_rate"], foreach=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    result = {
+        "arm": arm,
+        "batch_size": batch_size,
+        "pid": os.getpid(),
+        "seq_len": config["seq_len"],
+        **describe_precision(accelerator, mixed_precision),
+    }
+    if arm == "tf32":
+        hardware = hardware_record(device)
+        if not hardware["tf32_supported"]:
+            result["precision_in_effect"] = "fp32"
+            result["precision_note"] = (
+                "TF32 needs a CUDA GPU of compute capability 8.0+; this arm ran plain fp32."
+            )
+        else:
+            result["precision_in_effect"] = "tf32"
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step_seconds, losses = [], []
+    try:
+        for index, batch in enumerate(batches):
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            synchronize()
+            started = time.perf_counter()
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if index == 0:
+                gradient_bytes = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            synchronize()
+            if index >= spec["warmup_steps"]:
+                step_seconds.append(time.perf_counter() - started)
+                losses.append(loss.item())
+        result["fits"] = True
+    except torch.OutOfMemoryError:
+        result["fits"] = False
+        result["failure"] = "out of memory"
+    if device.type == "cuda":
+        result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        result["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+        baseline = 0
+    else:
+        from amp_recipes.meters import peak_memory_bytes
+
+        result["peak_memory_bytes"] = peak_memory_bytes(device)  # peak RSS of this process
+        baseline = rss_at_start  # interpreter and libraries, before any tensor of the run
+    if budget and result["peak_memory_bytes"] > budget:
+        result["fits"], result["failure"] = False, "over the memory budget"
+    if result["fits"] and step_seconds:
+        unwrapped = accelerator.unwrap_model(model)
+        weights = tensor_bytes(unwrapped.parameters())
+        optimizer_state = tensor_bytes(
+            v
+            for state in optimizer.state_dict()["state"].values()
+            for v in state.values()
+            if torch.is_tensor(v)
+        )
+        activations = result["peak_memory_bytes"] - baseline - weights - gradient_bytes - optimizer_state
+        median = sorted(step_seconds)[len(step_seconds) // 2]
+        matmul_params = matmul_parameters(unwrapped)
+        result.update(
+            memory_split_bytes={
+                "weights": weights,
+                "gradients": gradient_bytes,
+                "optimizer_state": optimizer_state,
+                # On a CPU this also holds allocator overhead: peak RSS minus the start-up RSS.
+                "activations_and_other": activations,
+            },
+            step_seconds=step_seconds,
+            median_step_seconds=median,
+            min_step_seconds=min(step_seconds),
+            max_step_seconds=max(step_seconds),
+            samples_per_second=batch_size / median,
+            tokens_per_second=batch_size * config["seq_len"] / median,
+            losses=losses,
+            parameters=sum(p.numel() for p in unwrapped.parameters()),
+            matmul_parameters=matmul_params,
+            flops_per_step=training_flops_per_step(
+                matmul_params,
+                unwrapped.config.num_hidden_layers,
+                unwrapped.config.hidden_size,
+                batch_size,
+                config["seq_len"],
+            ),
+        )
+    Path(spec["result_path"]).write_text(json.dumps(result))
+
+
+# =============================================================================== parent
+def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, work_dir: Path) -> dict:
+    """Run one arm at one batch size in a fresh Python process and return its JSON."""
+    name = f"{arm}-bs{batch_size}-{timed_steps}"
+    spec_path, result_path = work_dir / f"{name}.spec.json", work_dir / f"{name}.result.json"
+    config = {k: v for k, v in vars(args).items() if k != "arms"}
+    spec_path.write_text(
+        json.dumps(
+            {
+                "config": config,
+                "arm": arm,
+                "batch_size": batch_size,
+                "warmup_steps": warmup_steps,
+                "timed_steps": timed_steps,
+                "result_path": str(result_path),
+            }
+        )
+    )
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")
+    }  # the arm decides precision
+    completed = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", str(spec_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if completed.returncode != 0 or not result_path.exists():
+        tail = "\n".join(completed.stderr.strip().splitlines()[-5:])
+        # A process killed for memory (SIGKILL from the OOM killer) does not fit either.
+        killed = completed.returncode in (-9, 137)
+        return {
+            "arm": arm,
+            "batch_size": batch_size,
+            "fits": False,
+            "failure": "killed (out of host memory)"
+            if killed
+            else f"crashed (exit {completed.returncode}): {tail}",
+        }
+    return json.loads(result_path.read_text())
+
+
+def search_max_batch(args, arm: str, work_dir: Path) -> dict:
+    """Largest batch that fits: double from --search_start until a trial does not fit, then bisect.
+
+    accelerate's find_executable_batch_size only searches downward inside one process (halving
+    after an OOM), where the caching allocator's history distorts peaks; a headroom figure needs
+    an upward search with a fresh process per trial.
+    """
+    trials = []
+
+    def fits(batch_size: int) -> bool:
+        trial = spawn(args, arm, batch_size, 1, 1, work_dir)
+        trials.append({k: trial.get(k) for k in ("batch_size", "fits", "peak_memory_bytes", "failure")})
+        return bool(trial["fits"])
+
+    largest_fit, smallest_fail, batch_size = 0, None, args.search_start
+    while batch_size <= args.search_max:
+        if not fits(batch_size):
+            smallest_fail = batch_size
+            break
+        largest_fit, batch_size = batch_size, batch_size * 2
+    if smallest_fail is None:
+        return {"max_batch_size": largest_fit, "capped_at_search_max": True, "trials": trials}
+    step = args.search_granularity
+    while largest_fit and smallest_fail - largest_fit > step:
+        middle = largest_fit + max(step, (smallest_fail - largest_fit) // 2 // step * step)
+        if fits(middle):
+            largest_fit = middle
+        else:
+            smallest_fail = middle
+    return {
+        "max_batch_size": largest_fit,
+        "first_batch_not_fitting": smallest_fail,
+        "capped_at_search_max": False,
+        "trials": trials,
+    }
+
+
+def relative_difference(losses, reference):
+    pairs = [(a, b) for a, b in zip(losses, reference, strict=False) if b]
+    diffs = [abs(a - b) / abs(b) for a, b in pairs]
+    return {"max": max(diffs), "mean": sum(diffs) / len(diffs)} if diffs else None
+
+
+def compare(results: dict) -> None:
+    """Ratios against fp32, only for arms of this invocation that really ran reduced precision."""
+    base = results.get("fp32")
+    for arm, result in results.items():
+        result["ratios_vs_fp32"] = None
+        if not result.get("fits") or arm == "fp32" or not base or not base.get("fits"):
+            continue
+        if result["precision_in_effect"] != arm:
+            result["no_ratio_reason"] = f"requested {arm} but ran {result['precision_in_effect']}"
+            continue
+        ratios = {
+            "memory_drop_percent": 100.0 * (1 - result["peak_memory_bytes"] / base["peak_memory_bytes"]),
+            "speedup": result["samples_per_second"] / base["samples_per_second"],
+        }
+        if result.get("max_batch_size") and base.get("max_batch_size"):
+            ratios["headroom"] = result["max_batch_size"] / base["max_batch_size"]
+        result["ratios_vs_fp32"] = ratios
+        result["loss_vs_fp32"] = relative_difference(result["losses"], base["losses"])
+
+
+def markdown_table(results: dict) -> str:
+    def gib(value):
+        return f"{value / 2**30:.2f}" if value else "—"
+
+    def ratio(result, key, fmt):
+        value = (result.get("ratios_vs_fp32") or {}).get(key)
+        return fmt.format(value) if value is not None else "—"
+
+    header = (
+        "| arm | ran as | peak mem (GiB) | mem drop | max batch | headroom | median step (ms) "
+        "| samples/s | speedup | MFU | loss rel. diff (max) |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for arm, r in results.items():
+        if not r.get("fits"):
+            lines.append(
+                f"| {arm} | {r.get('precision_in_effect', '—')} | does not fit ({r.get('failure')}) |"
+                + " — |" * 8
+            )
+            continue
+        max_batch = r.get("max_batch_size")
+        max_batch_text = (
+            "not measured"
+            if max_batch is None
+            else (
+                f"≥{max_batch}"
+                if r.get("capped_at_search_max")
+                else (str(max_batch) if max_batch else "none fits")
+            )
+        )
+        loss = r.get("loss_vs_fp32")
+        mfu_text = "—" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        loss_text = "—" if not loss else f"{loss['max']:.2e}"
+        lines.append(
+            f"| {arm} | {r['precision_in_effect']} | {gib(r['peak_memory_bytes'])} "
+            f"| {ratio(r, 'memory_drop_percent', '{:.1f}%')} | {max_batch_text} | {ratio(r, 'headroom', '{:.2f}x')} "
+            f"| {r['median_step_seconds'] * 1e3:.1f} | {r['samples_per_second']:.1f} | {ratio(r, 'speedup', '{:.2f}x')} "
+            f"| {mfu_text} | {loss_text} |"
+        )
+    notes = [f"- {arm}: {r['precision_note']}" for arm, r in results.items() if r.get("precision_note")]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [arm for arm, r in results.items() if r.get("fits")]
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [
+        ("peak memory (GiB)", [results[a]["peak_memory_bytes"] / 2**30 for a in arms]),
+        ("max batch size", [results[a].get("max_batch_size") or 0 for a in arms]),
+        ("samples / s", [results[a]["samples_per_second"] for a in arms]),
+    ]
+    for axis, (title, values) in zip(axes, panels, strict=True):
+        bars = axis.bar(
+            arms,
+            values,
+            color=["#777777" if results[a]["precision_in_effect"] != a else "#ff9d00" for a in arms],
+        )
+        axis.bar_label(bars, fmt="%.3g")
+        axis.set_title(title)
+    figure.suptitle("grey: did not run in the requested precision", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def report_to_wandb(args, results: dict, table: str, hardware: dict) -> None:
+    """One W&B run per arm in one group (group = benchmark id, job type = arm), via accelerate's tracker."""
+    from accelerate.tracking import WandBTracker
+
+    columns = [
+        "arm",
+        "ran_as",
+        "peak_memory_gib",
+        "max_batch_size",
+        "samples_per_second",
+        "speedup",
+        "memory_drop_percent",
+        "headroom",
+    ]
+    rows = []
+    for arm, r in results.items():
+        ratios = r.get("ratios_vs_fp32") or {}
+        rows.append(
+            [
+                arm,
+                r.get("precision_in_effect"),
+                (r.get("peak_memory_bytes") or 0) / 2**30,
+                r.get("max_batch_size"),
+                r.get("samples_per_second"),
+                ratios.get("speedup"),
+                ratios.get("memory_drop_percent"),
+                ratios.get("headroom"),
+            ]
+        )
+    for arm, r in results.items():
+        tracker = WandBTracker(
+            args.project_name,
+            group=args.bench_id,
+            job_type=arm,
+            name=f"{args.bench_id}-{arm}",
+            dir=args.output_dir,
+        )
+        tracker.start()
+        tracker.store_init_configuration(
+            {**{k: v for k, v in vars(args).items() if k != "worker"}, **hardware}
+        )
+        for step, loss in enumerate(r.get("losses") or []):
+            tracker.log({"loss": loss, "step_seconds": r["step_seconds"][step]}, step=step)
+        summary = {k: v for k, v in r.items() if not isinstance(v, (list, dict))}
+        summary.update({f"ratio/{k}": v for k, v in (r.get("ratios_vs_fp32") or {}).items()})
+        tracker.tracker.summary.update(summary)
+        tracker.log_table("comparison", columns=columns, data=rows)
+        tracker.finish()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args.worker)
+        return {}
+    from accelerate import PartialState
+
+    if PartialState().num_processes > 1:
+        sys.exit(
+            "error: run the benchmark as one process (each arm starts its own); drop --num_processes/--multi_gpu."
+        )
+    from amp_recipes.flops import device_peak_tflops, mfu
+    from amp_recipes.hardware import hardware_record
+    from amp_recipes.training import write_json_atomic
+
+    output_dir = Path(args.output_dir)
+    work_dir = output_dir / "trials"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    hardware = hardware_record()
+    search_note = None
+    if not args.no_search and hardware["device_type"] == "cpu" and not args.memory_budget_gb:
+        search_note = "max batch size not measured: on a CPU the search needs --memory_budget_gb"
+
+    results = {}
+    for arm in args.arms:
+        print(f"[{arm}] timing {args.timed_steps} steps at batch {args.batch_size} ...", flush=True)
+        result = spawn(args, arm, args.batch_size, args.warmup_steps, args.timed_steps, work_dir)
+        if result.get("fits"):
+            peak = (
+                device_peak_tflops(hardware["device_name"], result["precision_in_effect"])
+                if hardware["device_type"] == "cuda"
+                else None
+            )
+            result["peak_tflops"] = peak
+            result["mfu"] = mfu(result["flops_per_step"], result["median_step_seconds"], peak)
+        if not args.no_search and not search_note:
+            print(f"[{arm}] searching the largest batch that fits ...", flush=True)
+            result.update(search_max_batch(args, arm, work_dir))
+        results[arm] = result
+    compare(results)
+    table = markdown_table(results)
+    if search_note:
+        table += f"\n{search_note}\n"
+    payload = {
+        "bench_id": args.bench_id,
+        "config": {k: v for k, v in vars(args).items() if k != "worker"},
+        "hardware": hardware,
+        "arms": results,
+        "search_note": search_note,
+    }
+    write_json_atomic(output_dir / "results.json", payload)
+    (output_dir / "results.md").write_text(
+        f"# {args.bench_id}\n\n{hardware['device_name']}, torch {hardware['torch']}, seq_len {args.seq_len}, "
+        f"batch {args.batch_size}\n\n{table}"
+    )
+    plot(results, output_dir / "results.png")
+    if args.report_to == "wandb":
+        report_to_wandb(args, results, table, hardware)
+    print(table)
+    print(f"Wrote {output_dir}/results.json, results.md and results.png")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The fp16/bf16 claims on a real CUDA GPU (run by scripts/gpu_check.sh; skipped without CUDA).
+
+accelerate's real fp16 path: GradScaler active, a skipped step on an injected overflow with
+the scheduler held, scaler state through save_state/load_state; the bf16 path; our hardware
+facts; and the recipe itself logging its loss scale.
+"""
+
+import json
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from conftest import GLUE_DIR, RECIPES, TINY_BERT, accelerate_launch, run
+
+from amp_recipes.hardware import hardware_record
+from amp_recipes.precision import describe_precision
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def tiny_setup(mixed_precision):
+    accelerator = Accelerator(mixed_precision=mixed_precision)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
+def train_step(accelerator, model, optimizer, scheduler, scale_loss=1.0):
+    inputs = torch.randn(8, 16, device=accelerator.device)
+    loss = model(inputs).float().pow(2).mean() * scale_loss
+    accelerator.backward(loss)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def test_fp16_runs_autocast_with_a_grad_scaler():
+    accelerator, model, *_ = tiny_setup("fp16")
+    assert isinstance(accelerator.scaler, torch.amp.GradScaler) and accelerator.scaler.is_enabled()
+    assert describe_precision(accelerator, "fp16")["precision_in_effect"] == "fp16"
+    seen = []
+    model[0].register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    model(torch.randn(2, 16, device=accelerator.device))
+    assert seen == [torch.float16]
+
+
+def test_injected_overflow_skips_the_step_and_holds_the_scheduler():
+    accelerator, model, optimizer, scheduler = tiny_setup("fp16")
+    train_step(accelerator, model, optimizer, scheduler)
+    assert not optimizer.step_was_skipped
+    scale, lr, epoch = (
+        accelerator.scaler.get_scale(),
+        scheduler.get_last_lr()[0],
+        scheduler.scheduler.last_epoch,
+    )
+    weights = [p.detach().clone() for p in model.parameters()]
+    train_step(accelerator, model, optimizer, scheduler, scale_loss=float("inf"))
+    assert optimizer.step_was_skipped
+    assert accelerator.scaler.get_scale() == scale / 2  # backoff factor 0.5
+    assert scheduler.scheduler.last_epoch == epoch and scheduler.get_last_lr()[0] == lr
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
+def test_scaler_state_survives_save_and_load(tmp_path):
+    accelerator, model, optimizer, scheduler = tiny_setup("fp16")
+    train_step(accelerator, model, optimizer, scheduler, scale_loss=float("inf"))  # scale 65536 -> 32768
+    for _ in range(3):
+        train_step(accelerator, model, optimizer, scheduler)
+    saved = accelerator.scaler.state_dict()
+    accelerator.save_state(tmp_path / "ckpt")
+    AcceleratorState._reset_state(True)
+    accelerator, model, optimizer, scheduler = tiny_setup("fp16")
+    assert accelerator.scaler.get_scale() == 65536.0
+    accelerator.load_state(tmp_path / "ckpt")
+    restored = accelerator.scaler.state_dict()
+    assert restored["scale"] == saved["scale"] == 32768.0
+    assert restored["_growth_tracker"] == saved["_growth_tracker"] == 3
+
+
+def test_bf16_runs_autocast_without_a_scaler():
+    accelerator, model, *_ = tiny_setup("bf16")
+    assert accelerator.scaler is None
+    assert describe_precision(accelerator, "bf16")["precision_in_effect"] == "bf16"
+
+
+def test_hardware_facts_match_the_device():
+    record = hardware_record(torch.device("cuda"))
+    major, minor = torch.cuda.get_device_capability()
+    assert record["compute_capability"] == f"{major}.{minor}"
+    assert record["tensor_cores"] == (major >= 7)
+    assert record["bf16_supported"] == torch.cuda.is_bf16_supported()
+    assert record["device_name"] == torch.cuda.get_device_name()
+
+
+def test_recipe_under_fp16_logs_its_loss_scale(tmp_path):
+    output_dir = tmp_path / "out"
+    result = run(
+        accelerate_launch(
+            "--num_processes",
+            1,
+            "--mixed_precision",
+            "fp16",
+            RECIPES / "bert_glue.py",
+            "--task_name",
+            "mrpc",
+            "--data_dir",
+            GLUE_DIR,
+            "--model_name_or_path",
+            TINY_BERT,
+            "--max_train_samples",
+            64,
+            "--max_eval_samples",
+            32,
+            "--max_train_steps",
+            6,
+            "--per_device_train_batch_size",
+            8,
+            "--logging_steps",
+            2,
+            "--output_dir",
+            output_dir,
+        ),
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    assert results["precision_in_effect"] == "fp16" and results["device_type"] == "cuda"
+    logged = [json.loads(line) for line in (output_dir / "log_history.jsonl").read_text().splitlines()]
+    scales = [row["loss_scale"] for row in logged if "loss" in row]
+    assert len(scales) == 3 and all(scale > 0 for scale in scales)

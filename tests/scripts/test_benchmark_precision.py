@@ -1,0 +1,207 @@
+"""scripts/benchmark_precision.py and scripts/compare_runs.py on the tiny random BERT, on CPU."""
+
+import json
+import os
+import sys
+
+import pytest
+from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, run
+from wandb_offline import offline_run
+
+SCRIPT = REPO / "scripts" / "benchmark_precision.py"
+BUDGET_GB = 1.0
+
+
+@pytest.fixture(scope="module")
+def benchmark(tmp_path_factory):
+    """fp32 and bf16 really differ on a CPU; fp16 there is accelerate's silent fp32."""
+    tmp_path = tmp_path_factory.mktemp("bench")
+    output_dir = tmp_path / "out"
+    result = run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--config_name",
+            TINY_BERT,
+            "--arms",
+            "fp32,bf16,fp16",
+            "--seq_len",
+            64,
+            "--batch_size",
+            4,
+            "--warmup_steps",
+            1,
+            "--timed_steps",
+            3,
+            "--memory_budget_gb",
+            BUDGET_GB,
+            "--search_start",
+            256,
+            "--search_granularity",
+            128,
+            "--search_max",
+            4096,
+            "--bench_id",
+            "tiny-bench",
+            "--output_dir",
+            output_dir,
+            "--report_to",
+            "wandb",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((output_dir / "results.json").read_text()), output_dir, result.stdout, tmp_path
+
+
+def test_every_arm_has_every_figure(benchmark):
+    payload, output_dir, stdout, _ = benchmark
+    assert list(payload["arms"]) == ["fp32", "bf16", "fp16"]
+    for key in ("device_type", "cpu_model", "torch", "transformers", "accelerate", "tf32_matmul_allowed"):
+        assert key in payload["hardware"]
+    for arm, result in payload["arms"].items():
+        assert result["fits"], result
+        for key in (
+            "peak_memory_bytes",
+            "median_step_seconds",
+            "min_step_seconds",
+            "max_step_seconds",
+            "samples_per_second",
+            "tokens_per_second",
+            "flops_per_step",
+            "max_batch_size",
+            "trials",
+        ):
+            assert key in result, (arm, key)
+        assert set(result["memory_split_bytes"]) == {
+            "weights",
+            "gradients",
+            "optimizer_state",
+            "activations_and_other",
+        }
+        split = result["memory_split_bytes"]
+        # AdamW: two fp32 moments per weight, plus one scalar step counter per parameter tensor.
+        assert 2 * split["weights"] <= split["optimizer_state"] < 2 * split["weights"] + 4096
+        assert len(result["losses"]) == len(result["step_seconds"]) == 3
+        assert result["tokens_per_second"] == pytest.approx(result["samples_per_second"] * 64)
+        assert result["mfu"] is None  # no known peak for a CPU
+    assert (output_dir / "results.png").stat().st_size > 0
+    assert "| bf16 | bf16 |" in (output_dir / "results.md").read_text()
+    assert "| fp16 | fp32 |" in stdout
+
+
+def test_each_arm_and_trial_ran_in_its_own_process(benchmark):
+    payload, *_ = benchmark
+    pids = [result["pid"] for result in payload["arms"].values()]
+    assert len(set(pids)) == 3 and os.getpid() not in pids
+
+
+def test_headroom_search_finds_the_edge_of_the_budget(benchmark):
+    payload, *_ = benchmark
+    for arm, result in payload["arms"].items():
+        trials = {trial["batch_size"]: trial for trial in result["trials"]}
+        best = result["max_batch_size"]
+        assert best >= 256 and trials[best]["fits"], (arm, result["trials"])
+        assert trials[best]["peak_memory_bytes"] <= BUDGET_GB * 2**30
+        next_step = result["first_batch_not_fitting"]
+        assert next_step == best + 128, (arm, result["trials"])
+        assert not trials[next_step]["fits"] and trials[next_step]["failure"] == "over the memory budget"
+        assert trials[next_step]["peak_memory_bytes"] > BUDGET_GB * 2**30
+
+
+def test_fp16_on_cpu_is_not_reduced_precision_and_gets_no_ratio(benchmark):
+    payload, *_ = benchmark
+    fp16, bf16 = payload["arms"]["fp16"], payload["arms"]["bf16"]
+    assert fp16["precision_in_effect"] == "fp32"
+    assert fp16["ratios_vs_fp32"] is None
+    assert fp16["no_ratio_reason"] == "requested fp16 but ran fp32"
+    assert bf16["precision_in_effect"] == "bf16"
+    assert set(bf16["ratios_vs_fp32"]) == {"memory_drop_percent", "speedup", "headroom"}
+    assert (
+        bf16["ratios_vs_fp32"]["headroom"]
+        == bf16["max_batch_size"] / payload["arms"]["fp32"]["max_batch_size"]
+    )
+    # Same seed, same weights, same batches: bf16 tracks the fp32 loss closely but not exactly.
+    assert 0 < bf16["loss_vs_fp32"]["max"] < 0.05
+
+
+def test_wandb_has_one_run_per_arm_in_one_group(benchmark):
+    _, output_dir, _, _ = benchmark
+    runs = sorted((output_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 3
+    job_types = set()
+    for run_dir in runs:
+        wandb_run, config, history = offline_run(run_dir.parent.parent, run_dir=run_dir)
+        assert wandb_run.run_group == "tiny-bench"
+        job_types.add(wandb_run.job_type)
+        assert config["seq_len"] == 64
+        assert len([row for row in history if "loss" in row]) == 3
+    assert job_types == {"fp32", "bf16", "fp16"}
+
+
+def test_bad_arm_is_refused(tmp_path):
+    result = run([sys.executable, SCRIPT, "--arms", "fp32,int8"], tmp_path)
+    assert result.returncode == 2
+    assert "unknown arm(s) ['int8']; choose from fp32, tf32, fp16, bf16." in result.stderr
+
+
+def test_compare_runs_on_two_real_fine_tunes(tmp_path):
+    common = [
+        "--task_name",
+        "mrpc",
+        "--data_dir",
+        GLUE_DIR,
+        "--model_name_or_path",
+        TINY_BERT,
+        "--max_train_samples",
+        32,
+        "--max_eval_samples",
+        32,
+        "--per_device_train_batch_size",
+        8,
+        "--logging_steps",
+        1,
+        "--num_train_epochs",
+        1,
+    ]
+    for name, precision in (("fp32", "no"), ("bf16", "bf16")):
+        result = run(
+            [
+                sys.executable,
+                RECIPES / "bert_glue.py",
+                *common,
+                "--mixed_precision",
+                precision,
+                "--output_dir",
+                tmp_path / name,
+            ],
+            tmp_path,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+    result = run(
+        [
+            sys.executable,
+            REPO / "scripts" / "compare_runs.py",
+            tmp_path / "fp32",
+            tmp_path / "bf16",
+            "--output",
+            tmp_path / "cmp",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = (tmp_path / "cmp.md").read_text()
+    assert table == result.stdout.rstrip("\n") + "\n" or table.strip() in result.stdout
+    rows = [line for line in table.splitlines() if line.startswith("| fp32") or line.startswith("| bf16")]
+    assert rows[0].split(" | ")[1] == "fp32" and rows[1].split(" | ")[1] == "bf16"
+    assert "eval_f1" in table and "1.00x" in rows[0] and "0.0%" in rows[0]
+    assert (tmp_path / "cmp.png").stat().st_size > 0
+
+
+def test_compare_runs_refuses_an_unfinished_run(tmp_path):
+    (tmp_path / "a").mkdir()
+    result = run(
+        [sys.executable, REPO / "scripts" / "compare_runs.py", tmp_path / "a", tmp_path / "a"], tmp_path
+    )
+    assert result.returncode == 1
+    assert "has no eval_results.json (not a finished bert_glue.py run)" in result.stderr

@@ -1,0 +1,50 @@
+"""FLOPs and MFU arithmetic against values worked out by hand for BERT-base."""
+
+import pytest
+from transformers import AutoModelForSequenceClassification, BertConfig
+
+from amp_recipes.flops import device_peak_tflops, matmul_parameters, mfu, training_flops_per_step
+
+
+def test_bert_base_matmul_parameters():
+    model = AutoModelForSequenceClassification.from_config(BertConfig(num_labels=2))
+    # 109,483,778 parameters in all, minus the embedding tables:
+    # word 30522*768 + position 512*768 + token type 2*768 = 23,835,648.
+    assert sum(p.numel() for p in model.parameters()) == 109_483_778
+    assert matmul_parameters(model) == 85_648_130
+
+
+def test_bert_base_training_flops_at_batch_32_seq_128():
+    # tokens = 32 * 128 = 4096
+    # 6 * 85,648,130 * 4096          = 2,104,888,442,880
+    # 12 * 12 * 768 * 128 * 4096     =    57,982,058,496
+    assert training_flops_per_step(85_648_130, 12, 768, 32, 128) == 2_162_870_501_376
+
+
+def test_mfu_on_a_known_gpu():
+    peak = device_peak_tflops("NVIDIA H100 80GB HBM3", "bf16")
+    assert peak == 989.4
+    # 2.1629e12 FLOPs in 10 ms = 216.3 TFLOP/s = 21.86% of 989.4
+    assert mfu(2_162_870_501_376, 0.010, peak) == pytest.approx(0.218604, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, precision, expected",
+    [
+        ("NVIDIA H100 PCIe", "fp16", 756.0),
+        ("NVIDIA H200", "tf32", 494.7),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("Tesla T4", "bf16", None),  # no bf16 units
+        ("Tesla V100-SXM2-16GB", "fp16", 125.0),
+        ("NVIDIA L40S", "fp16", None),  # not an L4
+        ("NVIDIA A10", "tf32", 62.5),
+        ("AMD EPYC", "fp32", None),  # unknown device: MFU omitted
+    ],
+)
+def test_device_peaks(name, precision, expected):
+    assert device_peak_tflops(name, precision) == expected
+
+
+def test_mfu_is_omitted_without_a_known_peak():
+    assert mfu(1e12, 0.01, None) is None
