@@ -18,6 +18,30 @@ from .data import InputError, TaskData
 METRICS_DIR = Path(__file__).parent / "metrics"
 
 
+def check_launch(accelerator) -> None:
+    """Refuse launches that accelerate would quietly run another way.
+
+    - On a machine without GPUs, `accelerate launch --multi_gpu --num_processes N` starts N
+      independent single-process runs (each training on all the data, all writing the same
+      files) unless ACCELERATE_USE_CPU=1 asks for a gloo process group.
+    - accelerate turns on FSDP / DeepSpeed only over GPU (or other accelerator) process groups:
+      asked on a CPU, it trains with plain DDP instead.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        raise InputError(
+            f"{launched} processes were launched but accelerate sees {accelerator.num_processes}: on a machine "
+            "without GPUs set ACCELERATE_USE_CPU=1 for multi-process CPU training (gloo)."
+        )
+    for engine in ("FSDP", "DEEPSPEED"):
+        asked = os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true"
+        if asked and accelerator.distributed_type.value != engine:
+            raise InputError(
+                f"{engine} was requested but accelerate set up {accelerator.distributed_type.value} on "
+                f"{accelerator.device.type}: accelerate enables {engine} only on GPUs; use a GPU machine or drop it."
+            )
+
+
 def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: int | None = None):
     """Tokenise every split with `datasets.map` (cached on disk, so a second run skips it).
 
@@ -57,9 +81,21 @@ def train_sampler(dataset, batch_size: int, group_by_length: bool, seed: int):
     """
     if not group_by_length:
         return None
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [len(ids) for ids in dataset["input_ids"]]
-    return LengthGroupedSampler(batch_size, lengths=lengths, generator=generator)
+    return EpochLengthGroupedSampler(
+        batch_size, lengths=[len(ids) for ids in dataset["input_ids"]], seed=seed
+    )
+
+
+class EpochLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' length-grouped sampler, reseeded from (seed, epoch) like accelerate's seedable
+    sampler, so a run resumed mid-epoch sees the same batches as an uninterrupted one."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        super().__init__(batch_size, lengths=lengths, generator=torch.Generator().manual_seed(seed))
+        self.seed = seed
+
+    def set_epoch(self, epoch: int) -> None:  # accelerate's DataLoaderShard calls it each epoch
+        self.generator.manual_seed(self.seed + epoch)
 
 
 def optimizer_grouped_parameters(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -97,12 +133,20 @@ class RunRecord:
     """The run's local record in `output_dir`: `log_history.jsonl` (one line per log or eval)
     and `eval_results.json` (final metrics and run summary). Writes only on the main process."""
 
-    def __init__(self, output_dir: str | os.PathLike, enabled: bool):
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool, resume_step: int | None = None):
         self.output_dir = Path(output_dir)
         self.enabled = enabled
         if enabled:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "log_history.jsonl").write_text("")
+            history = self.output_dir / "log_history.jsonl"
+            kept = []
+            if resume_step is not None and history.exists():  # keep what happened up to the checkpoint
+                kept = [
+                    line
+                    for line in history.read_text().splitlines()
+                    if json.loads(line)["step"] <= resume_step
+                ]
+            history.write_text("".join(line + "\n" for line in kept))
 
     def log(self, values: dict, step: int) -> None:
         if self.enabled:

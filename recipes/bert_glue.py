@@ -14,20 +14,23 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
+from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint, tracker_run_id
 from amp_recipes.data import GLUE_TASKS, InputError, load_glue, load_user_files
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.precision import describe_precision
 from amp_recipes.training import (
     RunRecord,
+    check_launch,
     load_metric,
     make_collator,
     optimizer_grouped_parameters,
@@ -99,6 +102,9 @@ def parse_args(argv=None):
 
     output = parser.add_argument_group("evaluation, logging and output")
     output.add_argument(
+        "--eval_only", action="store_true", help="Only evaluate the model (or the checkpoint)."
+    )
+    output.add_argument(
         "--eval_steps", type=int, help="Also evaluate every N optimizer steps (always each epoch)."
     )
     output.add_argument("--logging_steps", type=int, default=10)
@@ -110,6 +116,13 @@ def parse_args(argv=None):
     output.add_argument(
         "--output_dir", help="Where the model, eval_results.json and logs go (default: outputs/<task>)."
     )
+    output.add_argument(
+        "--checkpointing_steps", help="Save a checkpoint every N optimizer steps, or each 'epoch'."
+    )
+    output.add_argument(
+        "--resume_from_checkpoint", help="'latest' (in <output_dir>/checkpoints) or a checkpoint path."
+    )
+    output.add_argument("--save_total_limit", type=int, help="Keep only the newest K complete checkpoints.")
     args = parser.parse_args(argv)
 
     if args.task_name and args.train_file:
@@ -126,6 +139,14 @@ def parse_args(argv=None):
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1.")
+    if args.checkpointing_steps not in (None, "epoch") and not (
+        args.checkpointing_steps.isdigit() and int(args.checkpointing_steps) > 0
+    ):
+        parser.error(
+            f"--checkpointing_steps must be a positive number of steps or 'epoch', not {args.checkpointing_steps!r}."
+        )
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        parser.error("--save_total_limit must be at least 1.")
     if not 0 <= args.warmup_ratio < 1:
         parser.error("--warmup_ratio must be in [0, 1).")
     args.output_dir = args.output_dir or os.path.join("outputs", args.task_name or "custom")
@@ -137,6 +158,7 @@ def evaluate(model, dataloader, metric, accelerator, is_regression):
     # fork_rng: iterating a DataLoader draws from the global RNG, and evaluating must not change
     # the dropout and shuffling that training sees next (same run, whatever --eval_steps is).
     cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    samples = 0
     with torch.random.fork_rng(devices=cuda_devices), torch.inference_mode():
         for batch in dataloader:
             logits = model(**batch).logits
@@ -144,8 +166,9 @@ def evaluate(model, dataloader, metric, accelerator, is_regression):
             # gather_for_metrics drops the samples the last batch repeats to fill every process.
             predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
             metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
+            samples += len(references)
     model.train()
-    return metric.compute()
+    return {**metric.compute(), "samples": samples}
 
 
 def main(argv=None):
@@ -159,7 +182,10 @@ def main(argv=None):
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
+        # Shuffling seeded by (seed, epoch): a resumed run sees the same batches.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
+    check_launch(accelerator)
     precision = describe_precision(accelerator, args.mixed_precision)
     logger.info(f"Precision: {precision}", main_process_only=True)
     if "precision_note" in precision:
@@ -192,9 +218,8 @@ def main(argv=None):
             f"Could not load model {args.model_name_or_path!r} ({str(error).splitlines()[0]}). Offline? Pass a local "
             "directory holding config.json, the weights and the tokenizer as --model_name_or_path, and set HF_HUB_OFFLINE=1."
         ) from error
-    with (
-        accelerator.main_process_first()
-    ):  # the main process tokenises and caches; the others reuse the cache
+    # The main process tokenises and caches; the others reuse the cache.
+    with accelerator.main_process_first():
         tokenized = tokenize_splits(task, tokenizer, args.max_seq_length)
 
     collator = make_collator(tokenizer, accelerator.mixed_precision)
@@ -208,6 +233,9 @@ def main(argv=None):
         sampler=sampler,
         collate_fn=collator,
         pin_memory=accelerator.device.type == "cuda",
+        # Its own generator: starting an epoch's iterator then draws nothing from the global RNG
+        # (dropout), so a run resumed mid-epoch continues the same random stream.
+        generator=torch.Generator().manual_seed(args.seed),
     )
     eval_dataloaders = {
         split: DataLoader(
@@ -271,6 +299,24 @@ def main(argv=None):
     )
     metric = load_metric(task.metric_config)
 
+    # ------------------------------------------------------------------------- resume
+    checkpoints_dir = Path(args.output_dir) / "checkpoints"
+    identity = {  # a checkpoint resumes only into a run of the same kind
+        "task_name": task.name,
+        "label_names": list(task.label_names or []),
+        "model": f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}",
+        "seed": args.seed,
+    }
+    position = {
+        "global_step": 0,
+        "epoch": 0,
+        "batches_in_epoch": 0,
+        "samples_seen": 0,
+        "tracker_run_id": None,
+    }
+    if args.resume_from_checkpoint:
+        position = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, identity, logger)
+
     total_batch_size = (
         args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     )
@@ -280,10 +326,13 @@ def main(argv=None):
         "total_train_batch_size": total_batch_size,
         "max_train_steps": max_train_steps,
         "num_processes": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
         "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,
     }
     if args.report_to != "none":
         wandb_kwargs = {"name": args.run_name, "group": args.wandb_group, "job_type": args.wandb_job_type}
+        if position["tracker_run_id"]:  # continue the same W&B run after a resume
+            wandb_kwargs.update(id=position["tracker_run_id"], resume="allow")
         accelerator.init_trackers(
             args.project_name,
             config={
@@ -291,7 +340,11 @@ def main(argv=None):
             },
             init_kwargs={"wandb": {k: v for k, v in wandb_kwargs.items() if v}},
         )
-    record = RunRecord(args.output_dir, enabled=accelerator.is_main_process)
+    record = RunRecord(
+        args.output_dir,
+        enabled=accelerator.is_main_process,
+        resume_step=position["global_step"] if args.resume_from_checkpoint else None,
+    )
     logger.info(
         f"{task.name}: {tokenized['train'].num_rows} training examples, {num_epochs} epoch(s), "
         f"{max_train_steps} optimizer steps, total batch size {total_batch_size}",
@@ -315,14 +368,49 @@ def main(argv=None):
         meter.exclude(duration)  # throughput counts training time only
         return results
 
+    def checkpoint(epoch, batches_in_epoch):
+        run_position = {
+            "global_step": completed_steps,
+            "epoch": epoch,
+            "batches_in_epoch": batches_in_epoch,
+            "samples_seen": samples_seen,
+            "tracker_run_id": tracker_run_id(accelerator),
+            "mixed_precision": accelerator.mixed_precision,
+            "grad_scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+            **identity,
+        }
+        path = save_checkpoint(
+            accelerator, checkpoints_dir, completed_steps, run_position, args.save_total_limit
+        )
+        logger.info(f"Saved checkpoint {path}", main_process_only=True)
+        return path
+
+    preemption = PreemptionHandler()
     meter = ThroughputMeter(accelerator.device)
-    progress = tqdm(range(max_train_steps), disable=not accelerator.is_local_main_process, desc="Training")
-    completed_steps, window_loss, window_batches = 0, torch.zeros((), device=accelerator.device), 0
+    completed_steps, samples_seen = position["global_step"], position["samples_seen"]
+    progress = tqdm(
+        range(max_train_steps),
+        initial=completed_steps,
+        disable=not accelerator.is_local_main_process,
+        desc="Training",
+    )
+    window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
     train_started = time.perf_counter()
     train_samples, train_tokens, eval_seconds, results = 0, 0, 0.0, {}
+    if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
+        results = run_evaluation(completed_steps, position["epoch"])
+        summary = {**results, **precision, "task_name": task.name, "num_processes": accelerator.num_processes}
+        record.write_results({**summary, "model_name_or_path": args.model_name_or_path})
+        preemption.restore()
+        accelerator.end_training()
+        return summary
     model.train()
-    for epoch in range(num_epochs):
-        for batch in train_dataloader:
+    for epoch in range(position["epoch"], num_epochs):
+        train_dataloader.set_epoch(epoch)  # the epoch's shuffle depends on (seed, epoch) only
+        skipped = position["batches_in_epoch"] if epoch == position["epoch"] else 0
+        batches = accelerator.skip_first_batches(train_dataloader, skipped) if skipped else train_dataloader
+        batches_in_epoch = skipped
+        for batch in batches:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -333,6 +421,8 @@ def main(argv=None):
                 optimizer.zero_grad()
             window_loss += loss.detach()  # stays on the device: no per-step synchronisation
             window_batches += 1
+            batches_in_epoch += 1
+            samples_seen += batch["input_ids"].shape[0] * accelerator.num_processes
             meter.update(batch)
             if not accelerator.sync_gradients:
                 continue
@@ -351,9 +441,8 @@ def main(argv=None):
                         for k in ("samples_per_second", "tokens_per_second", "padding_fraction")
                     },
                 }
-                if (
-                    accelerator.scaler is not None
-                ):  # fp16: the dynamic loss scale accelerate's GradScaler uses
+                # fp16: the dynamic loss scale of accelerate's GradScaler
+                if accelerator.scaler is not None:
                     logs["loss_scale"] = accelerator.scaler.get_scale()
                 window_loss.zero_()
                 window_batches = 0
@@ -362,12 +451,29 @@ def main(argv=None):
                 record.log(logs, completed_steps)
             if args.eval_steps and completed_steps % args.eval_steps == 0:
                 results = run_evaluation(completed_steps, epoch + 1)
+            if (
+                args.checkpointing_steps not in (None, "epoch")
+                and completed_steps % int(args.checkpointing_steps) == 0
+            ):
+                checkpoint(epoch, batches_in_epoch)
+            if preemption.should_stop(accelerator):
+                path = checkpoint(epoch, batches_in_epoch)
+                logger.warning(
+                    f"Stopped by {preemption.signal_name or 'a signal on another process'} after step "
+                    f"{completed_steps}; checkpoint {path}. Continue with --resume_from_checkpoint latest.",
+                    main_process_only=True,
+                )
+                accelerator.end_training()
+                raise SystemExit(143 if preemption.signal_name != "SIGINT" else 130)
             if completed_steps >= max_train_steps:
                 break
         if not (args.eval_steps and completed_steps % args.eval_steps == 0):
             results = run_evaluation(completed_steps, epoch + 1)
+        if args.checkpointing_steps == "epoch":
+            checkpoint(epoch + 1, 0)
     train_seconds = time.perf_counter() - train_started - eval_seconds
     progress.close()
+    preemption.restore()
 
     # ------------------------------------------------------------------------- save
     accelerator.wait_for_everyone()
@@ -388,6 +494,7 @@ def main(argv=None):
         "train_tokens_per_second": train_tokens / train_seconds,
         "peak_memory_bytes": peak_memory_bytes(accelerator.device),
         "num_processes": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
         "total_train_batch_size": total_batch_size,
     }
     if accelerator.is_main_process:

@@ -127,11 +127,11 @@ def make_batches(config: dict, model_config, batch_size: int, count: int):
             config["tokenizer_name"] or config["model_name_or_path"] or config["config_name"]
         )
         rows = task.splits["train"].select(range(min(task.splits["train"].num_rows, batch_size * count)))
-        texts = [rows[column] for column in task.text_columns]
+        texts = [list(rows[column]) for column in task.text_columns]
         encoded = tokenizer(
             *texts, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt"
         )
-        labels = torch.tensor(rows["label"]).long() % 2
+        labels = torch.tensor(list(rows["label"])).long() % 2  # the benchmark head has 2 outputs
         repeats = -(-batch_size * count // len(labels))  # small tasks are cycled to fill every batch
         columns = {k: v.repeat(repeats, 1) for k, v in encoded.items()} | {"labels": labels.repeat(repeats)}
         return [

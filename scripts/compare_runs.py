@@ -46,7 +46,10 @@ def markdown(runs: list[dict]) -> str:
         speedup = r["train_samples_per_second"] / base["train_samples_per_second"]
         drop = 100 * (1 - r["peak_memory_bytes"] / base["peak_memory_bytes"])
         cells = [run["name"], r.get("precision_in_effect", "?")]
-        cells += [f"{r[m]:.4f}" if m in r else "—" for m in metric_names]
+        cells += [
+            ("—" if m not in r else f"{r[m]:.4f}" if isinstance(r[m], float) else str(r[m]))
+            for m in metric_names
+        ]
         cells += [
             f"{r['train_runtime_seconds']:.1f}",
             f"{r['train_samples_per_second']:.1f}",

@@ -139,3 +139,40 @@ def test_recipe_under_fp16_logs_its_loss_scale(tmp_path):
     logged = [json.loads(line) for line in (output_dir / "log_history.jsonl").read_text().splitlines()]
     scales = [row["loss_scale"] for row in logged if "loss" in row]
     assert len(scales) == 3 and all(scale > 0 for scale in scales)
+
+
+def test_recipe_under_fsdp_on_one_gpu(tmp_path):
+    output_dir = tmp_path / "fsdp"
+    result = run(
+        accelerate_launch(
+            "--use_fsdp",
+            "--fsdp_version",
+            2,
+            "--num_processes",
+            1,
+            "--mixed_precision",
+            "bf16",
+            RECIPES / "bert_glue.py",
+            "--task_name",
+            "mrpc",
+            "--data_dir",
+            GLUE_DIR,
+            "--model_name_or_path",
+            TINY_BERT,
+            "--max_train_samples",
+            32,
+            "--max_eval_samples",
+            16,
+            "--max_train_steps",
+            2,
+            "--checkpointing_steps",
+            1,
+            "--output_dir",
+            output_dir,
+        ),
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    assert results["distributed_type"] == "FSDP" and results["precision_in_effect"] == "bf16"
+    assert (output_dir / "checkpoints" / "checkpoint-2" / "amp_checkpoint.json").is_file()

@@ -153,6 +153,8 @@ def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
             "--mixed_precision",
             "fp16",
             "--group_by_length",
+            "--report_to",
+            "tensorboard",
             "--output_dir",
             output_dir,
         ],
@@ -163,6 +165,7 @@ def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
     results = json.loads((output_dir / "eval_results.json").read_text())
     assert (results["mixed_precision_requested"], results["precision_in_effect"]) == ("fp16", "fp32")
     assert results["train_steps"] == 2 and "eval_accuracy" in results
+    assert list((output_dir / "amp-recipes").glob("events.out.tfevents.*"))  # the TensorBoard run
 
 
 def test_real_minilm_fine_tune_learns_mrpc(tmp_path):

@@ -205,3 +205,41 @@ def test_compare_runs_refuses_an_unfinished_run(tmp_path):
     )
     assert result.returncode == 1
     assert "has no eval_results.json (not a finished bert_glue.py run)" in result.stderr
+
+
+def test_real_glue_batches_under_accelerate_launch(tmp_path):
+    from conftest import accelerate_launch
+
+    result = run(
+        accelerate_launch(
+            "--num_processes",
+            1,
+            SCRIPT,
+            "--config_name",
+            TINY_BERT,
+            "--tokenizer_name",
+            TINY_BERT,
+            "--task_name",
+            "rte",
+            "--data_dir",
+            GLUE_DIR,
+            "--arms",
+            "fp32",
+            "--seq_len",
+            64,
+            "--batch_size",
+            4,
+            "--warmup_steps",
+            1,
+            "--timed_steps",
+            2,
+            "--no_search",
+            "--output_dir",
+            tmp_path / "out",
+        ),
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    fp32 = json.loads((tmp_path / "out" / "results.json").read_text())["arms"]["fp32"]
+    assert fp32["fits"] and fp32["tokens_per_second"] == pytest.approx(fp32["samples_per_second"] * 64)
+    assert "max_batch_size" not in fp32 and len(fp32["losses"]) == 2

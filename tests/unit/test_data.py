@@ -358,3 +358,9 @@ def test_user_file_errors(tmp_path):
         load_user_files(str(tmp_path / "nope.csv"), str(tmp_path / "train.csv"))
     with pytest.raises(InputError, match=r"unsupported file type '.parquet'"):
         load_user_files(str(tmp_path / "train.parquet"), str(tmp_path / "train.csv"))
+
+
+def test_hub_unreachable_says_how_to_work_offline(monkeypatch):
+    monkeypatch.delenv("GLUE_DIR", raising=False)  # no local files: the Hub is the source
+    with pytest.raises(InputError, match=r"Could not load GLUE mrpc from the Hugging Face Hub .* --data_dir"):
+        load_glue("mrpc")

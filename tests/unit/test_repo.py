@@ -32,3 +32,21 @@ def test_accelerate_configs_load_and_open_with_their_command(config):
     assert config.read_text().startswith(
         f"# accelerate launch --config_file accelerate_configs/{config.name}"
     )
+
+
+def test_engine_configs_carry_the_precision_settings_the_readme_promises():
+    configs = {p.stem: load_config_from_file(str(p)) for p in (REPO / "accelerate_configs").glob("*.yaml")}
+    assert configs["single_gpu"].mixed_precision == configs["multi_gpu"].mixed_precision == "fp16"
+    fsdp = configs["fsdp"]
+    assert fsdp.distributed_type == "FSDP" and fsdp.mixed_precision == "fp16"
+    assert fsdp.fsdp_config["fsdp_sharding_strategy"] == "FULL_SHARD"
+    for stage in (2, 3):
+        deepspeed = configs[f"deepspeed_zero{stage}"]
+        assert deepspeed.distributed_type == "DEEPSPEED" and deepspeed.mixed_precision == "fp16"
+        assert deepspeed.deepspeed_config["zero_stage"] == stage
+        assert deepspeed.deepspeed_config["gradient_clipping"] == 1.0  # DeepSpeed clips, not the recipe
+    assert configs["deepspeed_zero3"].deepspeed_config["zero3_save_16bit_model"] is True
+    node = configs["multi_node"]
+    assert (node.num_machines, node.num_processes, node.rdzv_backend) == (2, 16, "static")
+    readme = (REPO / "README.md").read_text()
+    assert all(f"`{name}.yaml`" in readme for name in configs)

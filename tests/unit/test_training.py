@@ -17,21 +17,21 @@ from amp_recipes.training import (
 )
 
 
-def tokenized_rte(max_train=64):
+def tokenize_task(task_name="rte", max_train=64):
     tokenizer = AutoTokenizer.from_pretrained(TINY_BERT)
-    task = load_glue("rte", GLUE_DIR)
+    task = load_glue(task_name, GLUE_DIR)
     task.splits["train"] = task.splits["train"].select(range(max_train))
     return tokenizer, tokenize_splits(task, tokenizer, 128)
 
 
 def test_tokenized_splits_keep_only_model_inputs_and_labels():
-    _, tokenized = tokenized_rte()
+    _, tokenized = tokenize_task()
     assert set(tokenized["train"].column_names) == {"input_ids", "token_type_ids", "attention_mask", "labels"}
     assert max(len(ids) for ids in tokenized["train"]["input_ids"]) <= 128
 
 
 def test_mixed_precision_pads_to_a_multiple_of_8_and_fp32_to_the_longest():
-    tokenizer, tokenized = tokenized_rte()
+    tokenizer, tokenized = tokenize_task()
     features = [tokenized["train"][i] for i in range(5)]
     longest = max(len(f["input_ids"]) for f in features)
     assert make_collator(tokenizer, "no")(features)["input_ids"].shape == (5, longest)
@@ -41,7 +41,7 @@ def test_mixed_precision_pads_to_a_multiple_of_8_and_fp32_to_the_longest():
 
 
 def test_length_grouping_reduces_padding():
-    tokenizer, tokenized = tokenized_rte(max_train=256)
+    tokenizer, tokenized = tokenize_task("sst2", max_train=256)  # short sentences, varied lengths
     dataset = tokenized["train"]
     lengths = [len(ids) for ids in dataset["input_ids"]]
     assert train_sampler(dataset, 16, False, 0) is None

@@ -1,0 +1,387 @@
+"""Checkpoints of recipes/bert_glue.py: exact resume, kill -9, SIGTERM, bad checkpoints, rotation."""
+
+import errno
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, minilm_path, offline_env, run
+from safetensors.torch import load_file
+
+from amp_recipes.checkpoint import (
+    LATEST,
+    MARKER,
+    CheckpointError,
+    complete_checkpoints,
+    rotate,
+    save_checkpoint,
+)
+
+TINY = [
+    *("--task_name mrpc --max_eval_samples 16 --per_device_train_batch_size 8 --learning_rate 1e-3".split()),
+    *("--logging_steps 1 --seed 7 --data_dir".split()),
+    str(GLUE_DIR),
+    "--model_name_or_path",
+    str(TINY_BERT),
+]
+
+
+def history(output_dir):
+    rows = [json.loads(line) for line in (Path(output_dir) / "log_history.jsonl").read_text().splitlines()]
+    return [row for row in rows if "loss" in row]
+
+
+def final_weights(output_dir):
+    return load_file(str(Path(output_dir) / "model.safetensors"))
+
+
+def assert_same_training(a, b, keys=("loss", "learning_rate")):
+    rows_a, rows_b = history(a), history(b)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for key in keys:
+        assert [r[key] for r in rows_a] == [r[key] for r in rows_b], key  # bit for bit
+    weights_a, weights_b = final_weights(a), final_weights(b)
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+# ----------------------------------------------------------------------------- subprocess: signals
+def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
+    args = [
+        sys.executable,
+        RECIPES / "bert_glue.py",
+        *TINY,
+        "--max_train_samples",
+        320,
+        "--num_train_epochs",
+        2,
+    ]
+    reference = run([*args, "--output_dir", tmp_path / "reference"], tmp_path)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+
+    output_dir = tmp_path / "interrupted"
+    process = subprocess.Popen(
+        [str(a) for a in [*args, "--output_dir", output_dir]],
+        cwd=REPO,
+        env=offline_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = output_dir / "log_history.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 5):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-2000:]
+    assert "Stopped by SIGTERM after step" in stderr and "--resume_from_checkpoint latest" in stderr
+    latest = (output_dir / "checkpoints" / LATEST).read_text()
+    record = json.loads((output_dir / "checkpoints" / latest / MARKER).read_text())
+    assert 5 <= record["global_step"] < 40 and record["batches_in_epoch"] > 0  # stopped mid-epoch
+    assert not (output_dir / "eval_results.json").exists()
+
+    resumed = run([*args, "--output_dir", output_dir, "--resume_from_checkpoint", "latest"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (
+        f"Resumed from {output_dir / 'checkpoints' / latest} at step {record['global_step']}"
+        in resumed.stderr
+    )
+    assert_same_training(tmp_path / "reference", output_dir)
+
+
+def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
+    output_dir = tmp_path / "out"
+    args = [
+        *TINY,
+        "--max_train_samples",
+        64,
+        "--num_train_epochs",
+        1,
+        "--checkpointing_steps",
+        2,
+        "--output_dir",
+        output_dir,
+    ]
+    crashed = run(
+        [sys.executable, Path(__file__).with_name("crash_during_save.py"), RECIPES / "bert_glue.py", *args],
+        tmp_path,
+    )
+    assert crashed.returncode == -signal.SIGKILL
+    checkpoints = output_dir / "checkpoints"
+    assert (checkpoints / LATEST).read_text() == "checkpoint-2"
+    assert [p.name for p in complete_checkpoints(checkpoints)] == ["checkpoint-2"]
+    assert (checkpoints / ".tmp-checkpoint-4").is_dir()  # the half-written one, never taken for a checkpoint
+    assert not (checkpoints / "checkpoint-4").exists()
+
+    resumed = run(
+        [sys.executable, RECIPES / "bert_glue.py", *args, "--resume_from_checkpoint", "latest"], tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Resumed from" in resumed.stderr and "checkpoint-2 at step 2" in resumed.stderr
+    assert [p.name for p in complete_checkpoints(checkpoints)] == [f"checkpoint-{n}" for n in (2, 4, 6, 8)]
+    assert not (checkpoints / ".tmp-checkpoint-4").exists()
+
+
+# ----------------------------------------------------------------------------- in process
+@pytest.fixture
+def recipe(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bert_glue_ckpt", RECIPES / "bert_glue.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def train(module, argv):
+    """One in-process run of the recipe with fresh accelerate singletons."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return module.main([str(a) for a in argv])
+
+
+class Fp16OnCpu(Accelerator):
+    """The test-only fixture of ../shared/GUIDE.md: accelerate's real fp16 path on a CPU (autocast
+    wrapper, GradScaler, step_was_skipped), with a fast-growing scale so that it changes in a test."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.native_amp = True
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=3)
+
+
+def stop_at(step):
+    class StopAt:
+        def __init__(self):
+            self.calls, self.signal_name = 0, "SIGTERM"
+
+        def should_stop(self, accelerator):
+            self.calls += 1
+            return self.calls == step
+
+        def restore(self):
+            pass
+
+    return StopAt
+
+
+def test_fp16_resume_keeps_loss_scale_and_growth_tracker(recipe, tmp_path, monkeypatch):
+    argv = [
+        *TINY,
+        "--max_train_samples",
+        96,
+        "--num_train_epochs",
+        2,
+        "--mixed_precision",
+        "fp16",
+        "--checkpointing_steps",
+        "epoch",
+    ]
+    monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
+    train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
+    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(7))  # mid-epoch: 12 steps an epoch
+    with pytest.raises(SystemExit) as stopped:
+        train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed")])
+    assert stopped.value.code == 143
+    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(-1))
+    results = train(
+        recipe, [*argv, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"]
+    )
+    assert results["precision_in_effect"] == "fp16"
+    assert_same_training(
+        tmp_path / "reference", tmp_path / "resumed", keys=("loss", "learning_rate", "loss_scale")
+    )
+    scales = [row["loss_scale"] for row in history(tmp_path / "reference")]
+    assert len(set(scales)) > 1  # the scale really moved during the run
+    scalers = [
+        torch.load(tmp_path / run / "checkpoints" / "checkpoint-24" / "scaler.pt", weights_only=True)
+        for run in ("reference", "resumed")
+    ]
+    assert scalers[0] == scalers[1]
+    assert scalers[0]["_growth_tracker"] == scalers[1]["_growth_tracker"]
+    record = json.loads((tmp_path / "resumed" / "checkpoints" / "checkpoint-24" / MARKER).read_text())
+    assert record["grad_scaler"]["scale"] == scalers[0]["scale"] and record["mixed_precision"] == "fp16"
+
+
+@pytest.fixture
+def fp32_checkpoint(recipe, tmp_path):
+    output_dir = tmp_path / "run"
+    train(
+        recipe,
+        [
+            *TINY,
+            "--max_train_samples",
+            32,
+            "--max_train_steps",
+            4,
+            "--checkpointing_steps",
+            2,
+            "--output_dir",
+            str(output_dir),
+        ],
+    )
+    return output_dir
+
+
+def test_bad_checkpoints_each_say_what_is_wrong(recipe, fp32_checkpoint, tmp_path):
+    base = [*TINY, "--max_train_samples", 32, "--max_train_steps", 6, "--output_dir", str(fp32_checkpoint)]
+    checkpoint = fp32_checkpoint / "checkpoints" / "checkpoint-4"
+    cases = [
+        (
+            [*TINY, "--output_dir", str(tmp_path / "empty"), "--resume_from_checkpoint", "latest"],
+            r"no complete checkpoint in .*empty/checkpoints; drop the flag to start a fresh run",
+        ),
+        (
+            [*base, "--resume_from_checkpoint", str(tmp_path / "nowhere")],
+            r"Checkpoint .*nowhere does not exist",
+        ),
+        (
+            [*base, "--seed", "8", "--resume_from_checkpoint", "latest"],
+            r"was written for seed 7, but this run has 8",
+        ),
+    ]
+    minilm = [*base, "--model_name_or_path", str(minilm_path()), "--resume_from_checkpoint", "latest"]
+    cases.append((minilm, r"was written for model 'bert/5x32', but this run has 'bert/6x384'"))
+    rte = [a if a != "mrpc" else "rte" for a in base]
+    cases.append(
+        (
+            [*rte, "--resume_from_checkpoint", "latest"],
+            r"was written for task_name 'mrpc', but this run has 'rte'",
+        )
+    )
+    for argv, message in cases:
+        with pytest.raises(CheckpointError, match=message):
+            train(recipe, argv)
+
+    incomplete = fp32_checkpoint / "checkpoints" / "checkpoint-9"
+    incomplete.mkdir()
+    with pytest.raises(CheckpointError, match=r"checkpoint-9 is incomplete \(no amp_checkpoint.json\)"):
+        train(recipe, [*base, "--resume_from_checkpoint", str(incomplete)])
+
+    weights = checkpoint / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as handle:
+        handle.truncate(size // 2)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint-4 is corrupted: model.safetensors is {size // 2} bytes instead of {size}",
+    ):
+        train(recipe, [*base, "--resume_from_checkpoint", "latest"])
+
+
+def test_precision_switch_on_resume(recipe, fp32_checkpoint, tmp_path, monkeypatch, caplog):
+    argv = [*TINY, "--max_train_samples", 32, "--max_train_steps", 6, "--mixed_precision", "fp16"]
+    monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
+    with pytest.raises(CheckpointError, match="has no GradScaler state .* cannot be resumed under fp16"):
+        train(recipe, [*argv, "--output_dir", str(fp32_checkpoint), "--resume_from_checkpoint", "latest"])
+
+    fp16_run = tmp_path / "fp16"
+    train(recipe, [*argv, "--max_train_steps", 4, "--checkpointing_steps", 2, "--output_dir", str(fp16_run)])
+    monkeypatch.setattr(recipe, "Accelerator", Accelerator)
+    results = train(
+        recipe,
+        [
+            *TINY,
+            "--max_train_samples",
+            32,
+            "--max_train_steps",
+            6,
+            "--mixed_precision",
+            "no",
+            "--output_dir",
+            str(fp16_run),
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+    )
+    assert results["train_steps"] == 6 and results["precision_in_effect"] == "fp32"
+    assert "its GradScaler state (loss scale, growth tracker) is dropped" in caplog.text
+
+
+def test_save_total_limit_keeps_the_newest(recipe, tmp_path):
+    output_dir = tmp_path / "run"
+    train(
+        recipe,
+        [
+            *TINY,
+            "--max_train_samples",
+            48,
+            "--max_train_steps",
+            5,
+            "--checkpointing_steps",
+            1,
+            "--save_total_limit",
+            2,
+            "--output_dir",
+            str(output_dir),
+        ],
+    )
+    checkpoints = output_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-4", "checkpoint-5", LATEST]
+    assert (checkpoints / LATEST).read_text() == "checkpoint-5"
+
+
+def test_rotation_never_deletes_the_only_complete_checkpoint(tmp_path):
+    for name, complete in (("checkpoint-3", True), ("checkpoint-5", False)):
+        (tmp_path / name).mkdir()
+        if complete:
+            (tmp_path / name / MARKER).write_text("{}")
+    rotate(tmp_path, 1)
+    assert (tmp_path / "checkpoint-3").is_dir()
+
+
+class FakeAccelerator:
+    is_main_process = True
+
+    def __init__(self, fail):
+        self.fail = fail
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        Path(path).mkdir(parents=True)
+        (Path(path) / "model.safetensors").write_bytes(b"x" * 10)
+        if self.fail:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    save_checkpoint(FakeAccelerator(fail=False), tmp_path, 2, {"global_step": 2}, None)
+    with pytest.raises(CheckpointError, match=r"step 4 \(the disk is full\); .*checkpoint-2 is intact"):
+        save_checkpoint(FakeAccelerator(fail=True), tmp_path, 4, {"global_step": 4}, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", LATEST]
+    assert json.loads((tmp_path / "checkpoint-2" / MARKER).read_text())["files"] == {"model.safetensors": 10}
+
+
+def test_resumed_run_continues_the_same_wandb_run(recipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    argv = [
+        *TINY,
+        "--max_train_samples",
+        48,
+        "--max_train_steps",
+        6,
+        "--report_to",
+        "wandb",
+        "--output_dir",
+        tmp_path / "run",
+    ]
+    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(3))
+    with pytest.raises(SystemExit):
+        train(recipe, argv)
+    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(-1))
+    train(recipe, [*argv, "--resume_from_checkpoint", "latest"])
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    assert runs[0].name.split("-")[-1] == runs[1].name.split("-")[-1]  # one W&B run id, resumed
