@@ -463,6 +463,7 @@ def main(argv=None):
                     f"{completed_steps}; checkpoint {path}. Continue with --resume_from_checkpoint latest.",
                     main_process_only=True,
                 )
+                preemption.restore()
                 accelerator.end_training()
                 raise SystemExit(143 if preemption.signal_name != "SIGINT" else 130)
             if completed_steps >= max_train_steps:

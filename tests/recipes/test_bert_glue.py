@@ -173,8 +173,10 @@ def test_real_minilm_fine_tune_learns_mrpc(tmp_path):
 
     The bar: dev accuracy >= 0.72 and F1 >= 0.82. Always answering "equivalent" (the majority
     class) gives accuracy 0.684 and F1 0.812 on MRPC dev, and that, or worse, is where a broken
-    fine-tune ends (labels ignored, no learning, a frozen model). This run measured 0.745 / 0.833
-    on the development CPU (3m46s); the full 3-epoch run in README.md reaches 0.784 / 0.853.
+    fine-tune ends (labels ignored, no learning, a frozen model). This exact run measured
+    0.743 / 0.836 on the development CPU (about 2.5 minutes); the 3-epoch run in README.md reaches
+    0.797 / 0.860. MiniLM-L6 is small and was trained for sentence
+    embeddings, so one epoch on MRPC is a modest but clear step above the majority class.
     """
     output_dir = tmp_path / "out"
     result = run(
@@ -183,18 +185,9 @@ def test_real_minilm_fine_tune_learns_mrpc(tmp_path):
             "--config_file",
             REPO / "accelerate_configs" / "cpu.yaml",
             RECIPES / "bert_glue.py",
-            "--task_name",
-            "mrpc",
-            "--model_name_or_path",
+            *"--task_name mrpc --num_train_epochs 1 --learning_rate 1e-4 --per_device_train_batch_size 16".split(),
+            *"--logging_steps 20 --model_name_or_path".split(),
             minilm_path(),
-            "--num_train_epochs",
-            1,
-            "--learning_rate",
-            5e-5,
-            "--per_device_train_batch_size",
-            16,
-            "--logging_steps",
-            20,
             "--output_dir",
             output_dir,
         ),
