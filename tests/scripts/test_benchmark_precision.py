@@ -9,7 +9,9 @@ from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, run
 from wandb_offline import offline_run
 
 SCRIPT = REPO / "scripts" / "benchmark_precision.py"
-BUDGET_GB = 1.0
+# Batch 256 peaks near 1.0-1.1 GiB RSS (the interpreter and libraries are ~0.6 of it), so the
+# search crosses this budget between 256 and 512 wherever the baseline lands.
+BUDGET_GB = 1.25
 
 
 @pytest.fixture(scope="module")
