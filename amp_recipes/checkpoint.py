@@ -80,12 +80,15 @@ def save_checkpoint(
             os.replace(checkpoints_dir / f".{LATEST}.tmp", checkpoints_dir / LATEST)
             _fsync_dir(checkpoints_dir)
             rotate(checkpoints_dir, save_total_limit)
-    except OSError as error:
+    # torch.save reports a full disk as a RuntimeError ("PytorchStreamWriter failed writing file"),
+    # safetensors and plain writes as OSError(ENOSPC).
+    except (OSError, RuntimeError) as error:
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
         previous = complete_checkpoints(checkpoints_dir)
         kept = f"{previous[-1]} is intact" if previous else "there is no earlier checkpoint"
-        reason = "the disk is full" if error.errno == errno.ENOSPC else str(error)
+        disk_full = getattr(error, "errno", None) == errno.ENOSPC or "failed writing file" in str(error)
+        reason = "the disk is full" if disk_full else str(error).splitlines()[0]
         raise CheckpointError(f"Could not write the checkpoint of step {step} ({reason}); {kept}.") from error
     accelerator.wait_for_everyone()
     return final

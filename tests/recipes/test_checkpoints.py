@@ -343,8 +343,8 @@ def test_rotation_never_deletes_the_only_complete_checkpoint(tmp_path):
 class FakeAccelerator:
     is_main_process = True
 
-    def __init__(self, fail):
-        self.fail = fail
+    def __init__(self, error=None):
+        self.error = error
 
     def wait_for_everyone(self):
         pass
@@ -352,14 +352,24 @@ class FakeAccelerator:
     def save_state(self, path):
         Path(path).mkdir(parents=True)
         (Path(path) / "model.safetensors").write_bytes(b"x" * 10)
-        if self.fail:
-            raise OSError(errno.ENOSPC, "No space left on device")
+        if self.error:
+            raise self.error
 
 
-def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path):
-    save_checkpoint(FakeAccelerator(fail=False), tmp_path, 2, {"global_step": 2}, None)
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),  # safetensors / plain writes
+        RuntimeError(
+            "[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/3"
+        ),
+    ],
+    ids=["oserror", "torch-save"],
+)
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, error):
+    save_checkpoint(FakeAccelerator(), tmp_path, 2, {"global_step": 2}, None)
     with pytest.raises(CheckpointError, match=r"step 4 \(the disk is full\); .*checkpoint-2 is intact"):
-        save_checkpoint(FakeAccelerator(fail=True), tmp_path, 4, {"global_step": 4}, None)
+        save_checkpoint(FakeAccelerator(error), tmp_path, 4, {"global_step": 4}, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", LATEST]
     assert json.loads((tmp_path / "checkpoint-2" / MARKER).read_text())["files"] == {"model.safetensors": 10}
 
