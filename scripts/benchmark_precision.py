@@ -452,7 +452,7 @@ def plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def report_to_wandb(args, results: dict, table: str, hardware: dict) -> None:
+def report_to_wandb(args, results: dict, hardware: dict) -> None:
     """One W&B run per arm in one group (group = benchmark id, job type = arm), via accelerate's tracker."""
     from accelerate.tracking import WandBTracker
 
@@ -559,7 +559,7 @@ def main(argv=None) -> dict:
     )
     plot(results, output_dir / "results.png")
     if args.report_to == "wandb":
-        report_to_wandb(args, results, table, hardware)
+        report_to_wandb(args, results, hardware)
     print(table)
     print(f"Wrote {output_dir}/results.json, results.md and results.png")
     return payload
