@@ -19,15 +19,22 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint, tracker_run_id
 from amp_recipes.data import GLUE_TASKS, InputError, load_glue, load_user_files
+from amp_recipes.hardware import device_facts
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
-from amp_recipes.precision import describe_precision
+from amp_recipes.precision import check_model_dtype, choose_auto_precision, format_preflight, preflight
+from amp_recipes.telemetry import (
+    DEFAULT_MAX_CONSECUTIVE_SKIPPED,
+    ActivationMonitor,
+    StepTelemetry,
+    TrainingDiverged,
+)
 from amp_recipes.training import (
     RunRecord,
     check_launch,
@@ -94,10 +101,46 @@ def parse_args(argv=None):
     train.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient clipping; 0 turns it off.")
     train.add_argument("--seed", type=int, default=42)
     train.add_argument(
+        "--optim",
+        choices=["auto", "adamw_torch", "adamw_torch_fused"],
+        default="auto",
+        help="AdamW kernel: auto = fused on CUDA, foreach (multi-tensor) elsewhere.",
+    )
+
+    amp = parser.add_argument_group("mixed precision")
+    amp.add_argument(
         "--mixed_precision",
-        choices=["no", "fp16", "bf16"],
+        choices=["no", "fp16", "bf16", "auto"],
         default=None,
-        help="Default: whatever `accelerate launch` / its config file says (else fp32).",
+        help="Default: whatever `accelerate launch` / its config file says (else fp32). auto: bf16 "
+        "where the device has it natively, else fp16 on a Tensor-Core GPU, else fp32.",
+    )
+    # GradScaler settings (fp16 only), passed to accelerate as GradScalerKwargs; None = torch's default.
+    amp.add_argument("--fp16_init_scale", type=float, help="Initial loss scale (torch default 65536).")
+    amp.add_argument(
+        "--fp16_growth_interval", type=int, help="Steps without overflow before the scale grows (2000)."
+    )
+    amp.add_argument("--fp16_growth_factor", type=float, help="Scale multiplier on growth (2.0).")
+    amp.add_argument("--fp16_backoff_factor", type=float, help="Scale multiplier on overflow (0.5).")
+    amp.add_argument(
+        "--max_consecutive_skipped_steps",
+        type=int,
+        default=DEFAULT_MAX_CONSECUTIVE_SKIPPED,
+        help="Stop after this many fp16 steps in a row were skipped for overflow (20: the default "
+        "scale 2**16 reaches 1 after 16 halvings; beyond that no loss scale helps).",
+    )
+    amp.add_argument(
+        "--diagnose_overflow",
+        action="store_true",
+        help="Check every module's outputs and gradients on every step and name the first non-finite "
+        "one (slow; for debugging, any precision). Without it, only skipped fp16 steps are diagnosed.",
+    )
+    amp.add_argument(
+        "--activation_monitor_interval",
+        type=int,
+        default=100,
+        help="Every N training forwards, record each module's largest |activation| relative to the fp16 "
+        "maximum 65504 (0 turns it off).",
     )
 
     output = parser.add_argument_group("evaluation, logging and output")
@@ -149,6 +192,18 @@ def parse_args(argv=None):
         parser.error("--save_total_limit must be at least 1.")
     if not 0 <= args.warmup_ratio < 1:
         parser.error("--warmup_ratio must be in [0, 1).")
+    for name, valid, rule in (
+        ("fp16_init_scale", lambda v: v > 0, "positive"),
+        ("fp16_growth_interval", lambda v: v >= 1, "at least 1"),
+        ("fp16_growth_factor", lambda v: v > 1, "greater than 1"),
+        ("fp16_backoff_factor", lambda v: 0 < v < 1, "between 0 and 1"),
+    ):
+        if getattr(args, name) is not None and not valid(getattr(args, name)):
+            parser.error(f"--{name} must be {rule}.")
+    if args.max_consecutive_skipped_steps < 1 or args.activation_monitor_interval < 0:
+        parser.error(
+            "--max_consecutive_skipped_steps must be at least 1, --activation_monitor_interval at least 0."
+        )
     args.output_dir = args.output_dir or os.path.join("outputs", args.task_name or "custom")
     return args
 
@@ -176,9 +231,18 @@ def main(argv=None):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
     # ------------------------------------------------------------------------- accelerator
+    auto_reason = None
+    if args.mixed_precision == "auto":
+        args.mixed_precision, auto_reason = choose_auto_precision(device_facts())
+    scaler_kwargs = {
+        name: getattr(args, f"fp16_{name}")
+        for name in ("init_scale", "growth_interval", "growth_factor", "backoff_factor")
+        if getattr(args, f"fp16_{name}") is not None
+    }
     # mixed_precision=None lets `accelerate launch --mixed_precision` or the config file decide.
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
+        kwargs_handlers=[GradScalerKwargs(**scaler_kwargs)] if scaler_kwargs else None,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
@@ -186,10 +250,16 @@ def main(argv=None):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     check_launch(accelerator)
-    precision = describe_precision(accelerator, args.mixed_precision)
-    logger.info(f"Precision: {precision}", main_process_only=True)
-    if "precision_note" in precision:
-        logger.warning(precision["precision_note"], main_process_only=True)
+    # Device, Tensor Cores, bf16, the precision really in effect and who chose it; refuses what
+    # cannot work (bf16 on a pre-Ampere GPU), warns about what silently misbehaves.
+    precision = preflight(accelerator, args.mixed_precision, auto_reason)
+    logger.info(format_preflight(precision), main_process_only=True)
+    for warning in precision["preflight_warnings"]:
+        logger.warning(warning, main_process_only=True)
+    if scaler_kwargs and precision["precision_in_effect"] != "fp16":
+        logger.warning(
+            "The --fp16_* GradScaler flags have no effect: this run is not fp16.", main_process_only=True
+        )
     set_seed(args.seed)
 
     # ------------------------------------------------------------------------- data
@@ -252,8 +322,12 @@ def main(argv=None):
         config.id2label = dict(enumerate(task.label_names))
         config.label2id = {name: i for i, name in enumerate(task.label_names)}
     try:
+        # float32 whatever dtype the checkpoint was saved in: AMP needs fp32 master weights.
         model = AutoModelForSequenceClassification.from_pretrained(
-            args.model_name_or_path, config=config, ignore_mismatched_sizes=args.ignore_mismatched_sizes
+            args.model_name_or_path,
+            config=config,
+            ignore_mismatched_sizes=args.ignore_mismatched_sizes,
+            dtype=torch.float32,
         )
     except RuntimeError as error:
         if "ignore_mismatched_sizes" not in str(error):
@@ -262,16 +336,12 @@ def main(argv=None):
             f"The classifier head of {args.model_name_or_path!r} does not have the {task.num_labels} output(s) "
             "this task needs; pass --ignore_mismatched_sizes to start a new head."
         ) from error
-    if next(model.parameters()).dtype != torch.float32:
-        raise InputError(
-            "Load the model in float32: accelerate's autocast casts per operation, and fp16 weights "
-            "break the GradScaler ('Attempting to unscale FP16 gradients')."
-        )
+    check_model_dtype(model, precision["precision_in_effect"])
 
     # ------------------------------------------------------------------------- optimizer
-    # Fused AdamW is fastest on CUDA, but with fp16's GradScaler accelerate cannot see a skipped
-    # step through it (the scheduler would advance anyway), so fused is used only without a scaler.
-    fused = accelerator.device.type == "cuda" and accelerator.mixed_precision != "fp16"
+    # Fused AdamW (one kernel for all parameters) is fastest on CUDA; foreach elsewhere. With fp16
+    # a fused optimizer skips overflowing steps itself; StepTelemetry detects those for the scheduler.
+    fused = args.optim == "adamw_torch_fused" or (args.optim == "auto" and accelerator.device.type == "cuda")
     optimizer = torch.optim.AdamW(
         optimizer_grouped_parameters(model, args.weight_decay),
         lr=args.learning_rate,
@@ -316,6 +386,13 @@ def main(argv=None):
     }
     if args.resume_from_checkpoint:
         position = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, identity, logger)
+    # Loss scale, skipped steps, grad norm, non-finite guard; created after a resume has restored
+    # the GradScaler, so it starts from the checkpoint's loss scale.
+    telemetry = StepTelemetry(
+        accelerator, model, args.max_consecutive_skipped_steps, diagnose_every_step=args.diagnose_overflow
+    )
+    telemetry.load_state_dict(position.get("telemetry", {}))
+    activations = ActivationMonitor(accelerator.unwrap_model(model), args.activation_monitor_interval)
 
     total_batch_size = (
         args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
@@ -369,6 +446,9 @@ def main(argv=None):
         return results
 
     def checkpoint(epoch, batches_in_epoch):
+        telemetry.check_finite(
+            completed_steps, precision["precision_in_effect"]
+        )  # never save spoiled weights
         run_position = {
             "global_step": completed_steps,
             "epoch": epoch,
@@ -377,6 +457,7 @@ def main(argv=None):
             "tracker_run_id": tracker_run_id(accelerator),
             "mixed_precision": accelerator.mixed_precision,
             "grad_scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+            "telemetry": telemetry.state_dict(),
             **identity,
         }
         path = save_checkpoint(
@@ -394,7 +475,6 @@ def main(argv=None):
         disable=not accelerator.is_local_main_process,
         desc="Training",
     )
-    window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
     train_started = time.perf_counter()
     train_samples, train_tokens, eval_seconds, results = 0, 0, 0.0, {}
     if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
@@ -411,16 +491,22 @@ def main(argv=None):
         batches = accelerator.skip_first_batches(train_dataloader, skipped) if skipped else train_dataloader
         batches_in_epoch = skipped
         for batch in batches:
-            with accelerator.accumulate(model):
+            grad_norm = None
+            with accelerator.accumulate(model), telemetry.watch():
                 loss = model(**batch).loss
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if accelerator.sync_gradients:  # the norm of the unscaled gradients, clipped if asked
+                    grad_norm = accelerator.clip_grad_norm_(
+                        model.parameters(), args.max_grad_norm or math.inf
+                    )
                 optimizer.step()
-                lr_scheduler.step()  # accelerate holds it back on accumulation steps and skipped fp16 steps
+                # accelerate holds the scheduler back on accumulation steps and on skipped fp16 steps,
+                # but misses the skips of a fused optimizer: ask the GradScaler's scale instead.
+                step_skipped = telemetry.step_skipped()
+                if not step_skipped:
+                    lr_scheduler.step()
                 optimizer.zero_grad()
-            window_loss += loss.detach()  # stays on the device: no per-step synchronisation
-            window_batches += 1
+            telemetry.observe(loss, grad_norm)  # stays on the device: no per-step synchronisation
             batches_in_epoch += 1
             samples_seen += batch["input_ids"].shape[0] * accelerator.num_processes
             meter.update(batch)
@@ -428,12 +514,28 @@ def main(argv=None):
                 continue
             completed_steps += 1
             progress.update(1)
+            if step_skipped or args.diagnose_overflow:
+                where = telemetry.where_nonfinite(batch)
+                if step_skipped:
+                    logger.warning(
+                        f"step {completed_steps}: fp16 overflow, optimizer step skipped, loss scale "
+                        f"{telemetry.scale_used:g} -> {telemetry.loss_scale:g}; first non-finite value: {where}",
+                        main_process_only=True,
+                    )
+                elif where:
+                    logger.warning(
+                        f"step {completed_steps}: first non-finite value: {where}", main_process_only=True
+                    )
+                if telemetry.should_stop():
+                    if args.checkpointing_steps:  # skipped steps left the weights as they were: still good
+                        checkpoint(epoch, batches_in_epoch)
+                    raise TrainingDiverged(telemetry.stop_message(completed_steps, where))
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 throughput = meter.read(accelerator)
                 train_samples += throughput["samples"]
                 train_tokens += throughput["tokens"]
                 logs = {
-                    "loss": accelerator.reduce(window_loss, reduction="mean").item() / window_batches,
+                    **telemetry.read(),  # loss, grad_norm; fp16: loss_scale, skipped steps and rate
                     "learning_rate": lr_scheduler.get_last_lr()[0],
                     "epoch": completed_steps / steps_per_epoch,
                     **{
@@ -441,12 +543,12 @@ def main(argv=None):
                         for k in ("samples_per_second", "tokens_per_second", "padding_fraction")
                     },
                 }
-                # fp16: the dynamic loss scale of accelerate's GradScaler
-                if accelerator.scaler is not None:
-                    logs["loss_scale"] = accelerator.scaler.get_scale()
-                window_loss.zero_()
-                window_batches = 0
-                progress.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}")
+                logs.update({f"fp16_range/{name}": ratio for name, ratio in activations.read().items()})
+                telemetry.check_finite(completed_steps, precision["precision_in_effect"])
+                postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs['learning_rate']:.2e}"}
+                if telemetry.fp16:
+                    postfix.update(scale=f"{logs['loss_scale']:g}", skipped=logs["skipped_steps"])
+                progress.set_postfix(postfix)
                 accelerator.log(logs, step=completed_steps)
                 record.log(logs, completed_steps)
             if args.eval_steps and completed_steps % args.eval_steps == 0:
@@ -475,6 +577,8 @@ def main(argv=None):
     train_seconds = time.perf_counter() - train_started - eval_seconds
     progress.close()
     preemption.restore()
+    activations.remove()
+    telemetry.check_finite(completed_steps, precision["precision_in_effect"])
 
     # ------------------------------------------------------------------------- save
     accelerator.wait_for_everyone()
@@ -497,7 +601,15 @@ def main(argv=None):
         "num_processes": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
         "total_train_batch_size": total_batch_size,
+        **telemetry.summary(),
+        "fp16_range": activations.read(),  # max |activation| / 65504 of the modules closest to it
     }
+    if telemetry.fp16:
+        logger.info(
+            f"fp16: {telemetry.skipped_steps} of {telemetry.optimizer_steps} optimizer steps skipped, "
+            f"final loss scale {telemetry.loss_scale:g}",
+            main_process_only=True,
+        )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         record.write_results(summary)  # written last: its presence means the run finished
@@ -509,5 +621,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except InputError as error:
+    except (InputError, TrainingDiverged) as error:
         sys.exit(f"error: {error}")

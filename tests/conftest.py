@@ -11,6 +11,10 @@ for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "
     os.environ.setdefault(_name, "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout; scripts/gpu_check.sh points this at a copy it carries along.
 SHARED = Path(os.environ.get("AMP_SHARED_DIR", REPO.parent / "shared"))
@@ -74,3 +78,52 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ----------------------------------------------------------------------------- recipes in process
+def log_history(output_dir) -> list[dict]:
+    """The rows a recipe run wrote to <output_dir>/log_history.jsonl."""
+    import json
+
+    return [json.loads(line) for line in (Path(output_dir) / "log_history.jsonl").read_text().splitlines()]
+
+
+def load_recipe(name: str):
+    """A recipe file imported as a module, so tests can patch it and call its main()."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def recipe():
+    yield load_recipe("bert_glue")
+    reset_accelerate()
+
+
+def train(module, argv):
+    """One in-process run of the recipe with fresh accelerate singletons."""
+    reset_accelerate()
+    return module.main([str(a) for a in argv])
+
+
+class Fp16OnCpu(Accelerator):
+    """The test-only fixture of ../shared/GUIDE.md: accelerate's real fp16 path on a CPU (autocast
+    wrapper, GradScaler, step_was_skipped). The scaler takes accelerate's GradScalerKwargs (the
+    recipe's --fp16_* flags); without them, a fast-growing scale so that it changes in a test."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.native_amp = True
+        settings = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
+        self.scaler = torch.amp.GradScaler("cpu", **{"init_scale": 2.0**14, "growth_interval": 3, **settings})

@@ -161,7 +161,11 @@ def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
         tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "fp16 was requested but accelerate runs fp32 on a cpu device" in result.stderr
+    assert "fp16 was asked on a CPU, where accelerate silently runs fp32" in result.stderr
+    assert (
+        "use --mixed_precision bf16 (this CPU has native bf16)" in result.stderr
+        or "use a CUDA GPU for fp16" in result.stderr
+    )
     results = json.loads((output_dir / "eval_results.json").read_text())
     assert (results["mixed_precision_requested"], results["precision_in_effect"]) == ("fp16", "fp32")
     assert results["train_steps"] == 2 and "eval_accuracy" in results

@@ -11,8 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
-from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, minilm_path, offline_env, run
+from conftest import (
+    GLUE_DIR,
+    RECIPES,
+    REPO,
+    TINY_BERT,
+    Fp16OnCpu,
+    log_history,
+    minilm_path,
+    offline_env,
+    run,
+    train,
+)
 from safetensors.torch import load_file
 
 from amp_recipes.checkpoint import (
@@ -34,8 +44,7 @@ TINY = [
 
 
 def history(output_dir):
-    rows = [json.loads(line) for line in (Path(output_dir) / "log_history.jsonl").read_text().splitlines()]
-    return [row for row in rows if "loss" in row]
+    return [row for row in log_history(output_dir) if "loss" in row]
 
 
 def final_weights(output_dir):
@@ -131,35 +140,6 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
 
 
 # ----------------------------------------------------------------------------- in process
-@pytest.fixture
-def recipe(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bert_glue_ckpt", RECIPES / "bert_glue.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def train(module, argv):
-    """One in-process run of the recipe with fresh accelerate singletons."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    return module.main([str(a) for a in argv])
-
-
-class Fp16OnCpu(Accelerator):
-    """The test-only fixture of ../shared/GUIDE.md: accelerate's real fp16 path on a CPU (autocast
-    wrapper, GradScaler, step_was_skipped), with a fast-growing scale so that it changes in a test."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.native_amp = True
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=3)
-
-
 def stop_at(step):
     class StopAt:
         def __init__(self):
@@ -199,7 +179,9 @@ def test_fp16_resume_keeps_loss_scale_and_growth_tracker(recipe, tmp_path, monke
     )
     assert results["precision_in_effect"] == "fp16"
     assert_same_training(
-        tmp_path / "reference", tmp_path / "resumed", keys=("loss", "learning_rate", "loss_scale")
+        tmp_path / "reference",
+        tmp_path / "resumed",
+        keys=("loss", "learning_rate", "loss_scale", "skipped_steps", "effective_optimizer_steps"),
     )
     scales = [row["loss_scale"] for row in history(tmp_path / "reference")]
     assert len(set(scales)) > 1  # the scale really moved during the run

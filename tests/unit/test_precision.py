@@ -5,7 +5,16 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from amp_recipes.precision import describe_precision, precision_source
+from amp_recipes.data import InputError
+from amp_recipes.precision import (
+    check_model_dtype,
+    choose_auto_precision,
+    describe_precision,
+    format_preflight,
+    precision_source,
+    preflight,
+    preflight_checks,
+)
 
 
 @pytest.fixture
@@ -52,3 +61,112 @@ def test_precision_source(monkeypatch):
     assert (
         precision_source("bf16") == "--mixed_precision flag (bf16; overrides accelerate launch/config's fp16)"
     )
+
+
+# ----------------------------------------------------------------------------- preflight and auto
+H100 = {"device_type": "cuda", "device_name": "NVIDIA H100", "compute_capability": "9.0"}
+H100.update(tensor_cores=True, bf16_supported=True)
+V100 = {**H100, "device_name": "Tesla V100", "compute_capability": "7.0", "bf16_supported": False}
+P100 = {**V100, "device_name": "Tesla P100", "compute_capability": "6.0", "tensor_cores": False}
+CPU_BF16 = {"device_type": "cpu", "device_name": "Xeon 8480", "compute_capability": None}
+CPU_BF16.update(tensor_cores=False, bf16_supported=True)
+CPU_OLD = {**CPU_BF16, "device_name": "Xeon E5", "bf16_supported": False}
+
+
+@pytest.mark.parametrize(
+    "facts, choice, reason",
+    [
+        (H100, "bf16", "NVIDIA H100, compute capability 9.0 supports bf16"),
+        (V100, "fp16", "Tesla V100, compute capability 7.0 has Tensor Cores but no native bf16"),
+        (P100, "no", "Tesla P100, compute capability 6.0 predates Tensor Cores"),
+        (CPU_BF16, "bf16", "this CPU (Xeon 8480) has native bf16"),
+        (CPU_OLD, "no", "this CPU (Xeon E5) has no native bf16"),
+        ({**CPU_OLD, "device_type": "mps", "device_name": "mps"}, "no", "no mixed-precision rule for a mps"),
+    ],
+)
+def test_auto_precision_for_each_device(facts, choice, reason):
+    chosen, why = choose_auto_precision(facts)
+    assert chosen == choice and why.startswith(reason)
+
+
+@pytest.mark.parametrize(
+    "facts, requested, flag, launcher, expected",
+    [
+        (
+            CPU_BF16,
+            "fp16",
+            "fp16",
+            None,
+            "fp16 was asked on a CPU, where accelerate silently runs fp32 (no autocast, no GradScaler); use --mixed_precision bf16 (this CPU has native bf16)",
+        ),
+        (
+            CPU_OLD,
+            "fp16",
+            "fp16",
+            None,
+            "fp16 was asked on a CPU, where accelerate silently runs fp32 (no autocast, no GradScaler); use a CUDA GPU for fp16, or --mixed_precision no.",
+        ),
+        (
+            CPU_OLD,
+            "bf16",
+            "bf16",
+            None,
+            "bf16 on Xeon E5, which has no native bf16 (AVX512-BF16/AMX): autocast emulates it and runs much slower than fp32",
+        ),
+        (
+            P100,
+            "fp16",
+            None,
+            "fp16",
+            "fp16 on Tesla P100 (compute capability 6.0), which predates Tensor Cores (7.0): fp16 may be slower than fp32",
+        ),
+        (
+            H100,
+            "fp16",
+            "fp16",
+            "bf16",
+            "--mixed_precision fp16 and the accelerate launch/config setting bf16 disagree: the script's flag wins, this run uses fp16.",
+        ),
+    ],
+)
+def test_preflight_warnings(facts, requested, flag, launcher, expected):
+    warnings, refusals = preflight_checks(facts, requested, flag, launcher)
+    assert refusals == [] and len(warnings) == 1 and warnings[0].startswith(expected)
+
+
+def test_preflight_refuses_bf16_on_a_gpu_without_it():
+    warnings, refusals = preflight_checks(V100, "bf16", "bf16", None)
+    assert warnings == []
+    assert refusals == [
+        "bf16 on Tesla V100 (compute capability 7.0): bf16 needs an Ampere (8.0) or newer GPU; "
+        "use --mixed_precision fp16 (or auto)."
+    ]
+
+
+def test_preflight_is_quiet_when_all_is_well():
+    assert preflight_checks(H100, "bf16", "bf16", "bf16") == ([], [])
+    assert preflight_checks(V100, "fp16", None, "fp16") == ([], [])
+    assert preflight_checks(CPU_BF16, "fp16", "fp16", None, in_effect="fp16") == ([], [])  # the test fixture
+
+
+def test_preflight_report_of_a_real_accelerator(fresh_state, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    report = preflight(Accelerator(mixed_precision="bf16", cpu=True), "bf16", facts=CPU_OLD)
+    assert report["precision_in_effect"] == "bf16" and report["device_name"] == "Xeon E5"
+    assert report["mixed_precision_source"].startswith("--mixed_precision flag (bf16; overrides")
+    assert len(report["preflight_warnings"]) == 2  # the disagreement, and emulated bf16
+    block = format_preflight(report)
+    assert block.splitlines()[0] == "Preflight" and "bf16 in effect" in block
+    with pytest.raises(InputError, match="bf16 needs an Ampere"):
+        preflight(Accelerator(mixed_precision="bf16", cpu=True), "bf16", facts=V100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_weights_are_refused_under_amp(dtype):
+    model = torch.nn.Linear(4, 4).to(dtype)
+    with pytest.raises(
+        InputError, match="weights are .* while fp16 mixed precision is on: load the model in float32"
+    ):
+        check_model_dtype(model, "fp16")
+    check_model_dtype(torch.nn.Linear(4, 4), "fp16")  # fp32 master weights: fine
+    check_model_dtype(model, "fp32")  # no AMP: the user's own choice

