@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, TorchDynamoPlugin, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
@@ -78,6 +78,15 @@ def parse_args(argv=None):
     data.add_argument(
         "--group_by_length", action="store_true", help="Batch sequences of similar length (less padding)."
     )
+    data.add_argument(
+        "--preprocessing_num_workers", type=int, help="Processes for tokenisation (large datasets)."
+    )
+    data.add_argument(
+        "--dataloader_num_workers",
+        type=int,
+        help="DataLoader worker processes (default: 2 on CUDA, where batches are built while the GPU "
+        "computes; 0 elsewhere).",
+    )
 
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
@@ -100,6 +109,12 @@ def parse_args(argv=None):
     )
     train.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient clipping; 0 turns it off.")
     train.add_argument("--seed", type=int, default=42)
+    train.add_argument(
+        "--torch_compile",
+        action="store_true",
+        help="torch.compile the model through accelerate's dynamo settings (first steps compile).",
+    )
+    train.add_argument("--torch_compile_backend", default="inductor", help="torch.compile backend.")
     train.add_argument(
         "--optim",
         choices=["auto", "adamw_torch", "adamw_torch_fused"],
@@ -200,6 +215,10 @@ def parse_args(argv=None):
     ):
         if getattr(args, name) is not None and not valid(getattr(args, name)):
             parser.error(f"--{name} must be {rule}.")
+    if args.torch_compile and args.diagnose_overflow:
+        parser.error(
+            "--diagnose_overflow adds hooks every step, which makes torch.compile recompile: use one."
+        )
     if args.max_consecutive_skipped_steps < 1 or args.activation_monitor_interval < 0:
         parser.error(
             "--max_consecutive_skipped_steps must be at least 1, --activation_monitor_interval at least 0."
@@ -248,6 +267,8 @@ def main(argv=None):
         project_dir=args.output_dir,
         # Shuffling seeded by (seed, epoch): a resumed run sees the same batches.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # torch.compile of the prepared model, by accelerate (also settable in its config file).
+        dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend) if args.torch_compile else None,
     )
     check_launch(accelerator)
     # Device, Tensor Cores, bf16, the precision really in effect and who chose it; refuses what
@@ -263,6 +284,7 @@ def main(argv=None):
     set_seed(args.seed)
 
     # ------------------------------------------------------------------------- data
+    data_started = time.perf_counter()
     if args.task_name:
         task = load_glue(args.task_name, args.data_dir)
     else:
@@ -290,9 +312,15 @@ def main(argv=None):
         ) from error
     # The main process tokenises and caches; the others reuse the cache.
     with accelerator.main_process_first():
-        tokenized = tokenize_splits(task, tokenizer, args.max_seq_length)
+        tokenized = tokenize_splits(task, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+    data_seconds = time.perf_counter() - data_started  # a second run reads the tokenised cache
+    logger.info(f"Data ready in {data_seconds:.1f} s", main_process_only=True)
 
     collator = make_collator(tokenizer, accelerator.mixed_precision)
+    on_cuda = accelerator.device.type == "cuda"
+    num_workers = args.dataloader_num_workers if args.dataloader_num_workers is not None else 2 * on_cuda
+    loader_kwargs = {"collate_fn": collator, "pin_memory": on_cuda, "num_workers": num_workers}
+    loader_kwargs["persistent_workers"] = num_workers > 0  # no worker restart each epoch
     sampler = train_sampler(
         tokenized["train"], args.per_device_train_batch_size, args.group_by_length, args.seed
     )
@@ -301,8 +329,7 @@ def main(argv=None):
         batch_size=args.per_device_train_batch_size,
         shuffle=sampler is None,
         sampler=sampler,
-        collate_fn=collator,
-        pin_memory=accelerator.device.type == "cuda",
+        **loader_kwargs,
         # Its own generator: starting an epoch's iterator then draws nothing from the global RNG
         # (dropout), so a run resumed mid-epoch continues the same random stream.
         generator=torch.Generator().manual_seed(args.seed),
@@ -311,8 +338,7 @@ def main(argv=None):
         split: DataLoader(
             tokenized[split],
             batch_size=args.per_device_eval_batch_size,
-            collate_fn=collator,
-            pin_memory=accelerator.device.type == "cuda",
+            **loader_kwargs,
         )
         for split in task.eval_splits
     }
@@ -392,8 +418,16 @@ def main(argv=None):
         accelerator, model, args.max_consecutive_skipped_steps, diagnose_every_step=args.diagnose_overflow
     )
     telemetry.load_state_dict(position.get("telemetry", {}))
-    activations = ActivationMonitor(accelerator.unwrap_model(model), args.activation_monitor_interval)
+    # Its hooks come and go on sampled steps, which would make a compiled model recompile.
+    monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
+    activations = ActivationMonitor(accelerator.unwrap_model(model), monitor_interval)
 
+    # SDPA (fused attention kernels) is transformers' default where the model supports it.
+    attn_implementation = accelerator.unwrap_model(model).config._attn_implementation
+    logger.info(
+        f"Attention: {attn_implementation}; optimizer: {'fused' if fused else 'foreach'} AdamW",
+        main_process_only=True,
+    )
     total_batch_size = (
         args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     )
@@ -404,7 +438,7 @@ def main(argv=None):
         "max_train_steps": max_train_steps,
         "num_processes": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
-        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,
+        "attn_implementation": attn_implementation,
     }
     if args.report_to != "none":
         wandb_kwargs = {"name": args.run_name, "group": args.wandb_group, "job_type": args.wandb_job_type}
@@ -601,6 +635,8 @@ def main(argv=None):
         "num_processes": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
         "total_train_batch_size": total_batch_size,
+        "attn_implementation": attn_implementation,
+        "data_preparation_seconds": data_seconds,
         **telemetry.summary(),
         "fp16_range": activations.read(),  # max |activation| / 65504 of the modules closest to it
     }

@@ -1,0 +1,87 @@
+"""What keeps recipes/bert_glue.py fast: no host synchronisation between logging steps, cached
+tokenisation, SDPA attention, torch.compile through accelerate."""
+
+import json
+import sys
+
+import torch
+from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, run, train
+
+TINY = [
+    *("--task_name mrpc --max_eval_samples 16 --per_device_train_batch_size 8 --seed 3".split()),
+    *("--data_dir", GLUE_DIR, "--model_name_or_path", TINY_BERT),
+]
+# Tensor methods that make the host wait for the device (on a GPU); counted when our code calls them.
+SYNCING = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")
+OURS = (str(RECIPES), str(REPO / "amp_recipes"))
+
+
+def test_no_host_sync_between_logging_steps(recipe, tmp_path, monkeypatch):
+    calls, marks = [], []
+
+    def counting(name, method):
+        def wrapper(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(OURS):
+                calls.append((name, caller, sys._getframe(1).f_lineno))
+            return method(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in SYNCING:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    observe = recipe.StepTelemetry.observe
+
+    def observe_and_mark(self, *args, **kwargs):
+        observe(self, *args, **kwargs)
+        marks.append(len(calls))  # syncs so far, at the end of each micro-batch
+
+    monkeypatch.setattr(recipe.StepTelemetry, "observe", observe_and_mark)
+    train(recipe, [*TINY, "--max_train_steps", 12, "--logging_steps", 4, "--output_dir", tmp_path])
+    assert len(marks) == 12
+    # syncs between the end of step k and the end of step k+1: only the log line of step k (4, 8)
+    per_step = [after - before for before, after in zip(marks, marks[1:], strict=False)]
+    syncing_steps = [step for step, count in enumerate(per_step, start=1) if count]
+    assert syncing_steps == [4, 8], [calls[marks[s - 1] : marks[s]] for s in syncing_steps]
+
+
+def test_second_run_reads_the_tokenised_cache(tmp_path):
+    cache = tmp_path / "datasets-cache"
+    command = [sys.executable, RECIPES / "bert_glue.py", *TINY, "--max_train_steps", 1]
+    results = []
+    for name in ("first", "second"):
+        done = run([*command, "--output_dir", tmp_path / name], tmp_path, HF_DATASETS_CACHE=cache)
+        assert done.returncode == 0, done.stderr[-2000:]
+        arrow_files = sorted(p.name for p in cache.rglob("cache-*.arrow"))
+        results.append(
+            (done.stderr, arrow_files, json.loads((tmp_path / name / "eval_results.json").read_text()))
+        )
+    (first_log, first_files, first), (second_log, second_files, second) = results
+    assert "Tokenizing" in first_log and "Tokenizing" not in second_log  # no map pass the second time
+    assert first_files and second_files == first_files  # nothing re-tokenised into new cache files
+    assert first["data_preparation_seconds"] > 0 and second["data_preparation_seconds"] > 0
+    assert second["attn_implementation"] == "sdpa"  # transformers' fused attention, logged
+    assert "Attention: sdpa; optimizer: foreach AdamW" in second_log
+
+
+def test_torch_compile_goes_through_accelerate(recipe, tmp_path, monkeypatch):
+    compiled = []
+    real_compile = torch.compile
+
+    def recording_compile(model, *args, **kwargs):
+        compiled.append(kwargs.get("backend"))
+        return real_compile(model, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    argv = [*TINY, "--max_train_steps", 2, "--torch_compile", "--torch_compile_backend", "eager"]
+    results = train(recipe, [*argv, "--output_dir", tmp_path])
+    assert compiled == ["eager"]  # accelerate's TorchDynamoPlugin compiled the prepared model once
+    assert results["fp16_range"] == {}  # the monitor's hooks would force recompiles: off
+    assert results["train_steps"] == 2
+
+
+def test_dataloader_workers(recipe, tmp_path):
+    results = train(
+        recipe, [*TINY, "--max_train_steps", 2, "--dataloader_num_workers", 1, "--output_dir", tmp_path]
+    )
+    assert results["train_steps"] == 2 and results["eval_samples"] == 16
