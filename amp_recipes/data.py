@@ -336,3 +336,54 @@ def load_user_files(
         label_names=label_names,
         metric_config="regression" if regression else "classification",
     )
+
+
+def load_text_files(
+    train_file: str,
+    validation_file: str | None = None,
+    text_column: str = "text",
+    validation_percentage: float = 5.0,
+    seed: int = 42,
+    cache_dir: str | None = None,
+) -> datasets.DatasetDict:
+    """Unlabelled text for language-model training: `.txt` (one text per line, empty lines
+    dropped) or a text column of `.csv`/`.tsv`/`.json`/`.jsonl`. Without a validation file,
+    `validation_percentage` of the texts are held out (seeded split)."""
+
+    def read(path: str) -> datasets.Dataset:
+        if Path(path).suffix.lower() != ".txt":
+            table = _load_user_file(path, cache_dir)
+            if text_column not in table.column_names:
+                raise InputError(
+                    f"{path} has no column {text_column!r}; found {table.column_names}. Use --text_column."
+                )
+            table = (
+                table.select_columns([text_column]).rename_column(text_column, "text")
+                if text_column != "text"
+                else table.select_columns(["text"])
+            )
+        else:
+            if not os.path.isfile(path):
+                raise InputError(f"Data file {path} does not exist.")
+            table = datasets.load_dataset(
+                "text", data_files={"data": path}, split="data", cache_dir=cache_dir
+            )
+        table = table.filter(
+            lambda row: bool(row["text"] and row["text"].strip()), desc="Dropping empty texts"
+        )
+        if table.num_rows == 0:
+            raise InputError(f"{path} holds no text.")
+        return table
+
+    train = read(train_file)
+    if validation_file:
+        return datasets.DatasetDict({"train": train, "validation": read(validation_file)})
+    if not 0 < validation_percentage < 100:
+        raise InputError(
+            "--validation_split_percentage must be between 0 and 100 (or give --validation_file)."
+        )
+    held_out = max(1, round(train.num_rows * validation_percentage / 100))
+    if held_out >= train.num_rows:
+        raise InputError(f"{train_file} has too few texts ({train.num_rows}) to hold out a validation split.")
+    split = train.train_test_split(test_size=held_out, seed=seed)
+    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})

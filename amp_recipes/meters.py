@@ -27,6 +27,8 @@ class ThroughputMeter:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.epoch_padded_tokens = 0  # over the epoch, for its padding fraction
+        self.epoch_real_tokens = torch.zeros((), dtype=torch.long, device=device)
         self.reset()
 
     def reset(self) -> None:
@@ -39,10 +41,22 @@ class ThroughputMeter:
         input_ids = batch["input_ids"]
         self.samples += input_ids.shape[0]
         self.padded_tokens += input_ids.numel()
-        if "attention_mask" in batch:
-            self.real_tokens += batch["attention_mask"].sum()
-        else:
-            self.real_tokens += input_ids.numel()
+        real = batch["attention_mask"].sum() if "attention_mask" in batch else input_ids.numel()
+        self.real_tokens += real
+        self.epoch_padded_tokens += input_ids.numel()
+        self.epoch_real_tokens += real
+
+    def epoch_padding_fraction(self, accelerator=None) -> float:
+        """Share of the epoch's batch positions that were padding (over all processes); resets."""
+        totals = torch.stack(
+            [self.epoch_real_tokens, torch.tensor(self.epoch_padded_tokens, device=self.device)]
+        )
+        if accelerator is not None and accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
+        real, padded = totals.tolist()
+        self.epoch_padded_tokens = 0
+        self.epoch_real_tokens.zero_()
+        return 1.0 - real / padded if padded else 0.0
 
     def exclude(self, seconds: float) -> None:
         """Leave time spent elsewhere (evaluation) out of the current window."""

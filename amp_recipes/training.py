@@ -156,3 +156,36 @@ class RunRecord:
     def write_results(self, results: dict) -> None:
         if self.enabled:
             write_json_atomic(self.output_dir / "eval_results.json", results)
+
+
+def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | None = None):
+    """Language-model inputs: tokenise each text (with its special tokens), concatenate them and
+    cut blocks of max_seq_length tokens, so no compute goes to padding. Cached by `datasets.map`.
+    A split too short for one block keeps what it has as a single shorter block."""
+    if max_seq_length > tokenizer.model_max_length:
+        raise InputError(
+            f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
+        )
+
+    def tokenize(batch):
+        return tokenizer(batch["text"], return_special_tokens_mask=True)
+
+    def group(batch):
+        columns = {key: sum(batch[key], []) for key in batch}
+        total = len(columns["input_ids"])
+        usable = (total // max_seq_length) * max_seq_length or total
+        return {
+            key: [values[i : i + max_seq_length] for i in range(0, usable, max_seq_length)]
+            for key, values in columns.items()
+        }
+
+    tokenized = splits.map(
+        tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc="Tokenizing"
+    )
+    return tokenized.map(
+        group,
+        batched=True,
+        batch_size=1000,
+        num_proc=num_proc,
+        desc=f"Grouping into blocks of {max_seq_length}",
+    )

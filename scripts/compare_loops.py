@@ -246,6 +246,7 @@ def run_arm(args, arm: str, work_dir: Path) -> dict:
             "train_seconds": out["train_runtime_seconds"],
             "train_tokens": out["train_tokens_per_second"] * out["train_runtime_seconds"],
             "peak_rss_bytes": out["peak_memory_bytes"],
+            "data_preparation_seconds": out["data_preparation_seconds"],
             **{k: out[k] for k in ("eval_accuracy", "eval_f1") if k in out and not args.max_train_steps},
         }
     else:

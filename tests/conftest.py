@@ -51,11 +51,11 @@ def offline_env(tmp_path: Path, **extra) -> dict:
     return env
 
 
-def run(cmd, tmp_path, timeout=600, **env):
+def run(cmd, tmp_path, timeout=600, cwd=REPO, **env):
     """Run a command to completion and return the CompletedProcess (output kept for assertions)."""
     return subprocess.run(
         [str(c) for c in cmd],
-        cwd=REPO,
+        cwd=cwd,
         env=offline_env(tmp_path, **env),
         capture_output=True,
         text=True,

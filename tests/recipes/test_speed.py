@@ -5,7 +5,7 @@ import json
 import sys
 
 import torch
-from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, run, train
+from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, log_history, run, train
 
 TINY = [
     *("--task_name mrpc --max_eval_samples 16 --per_device_train_batch_size 8 --seed 3".split()),
@@ -61,7 +61,7 @@ def test_second_run_reads_the_tokenised_cache(tmp_path):
     assert first_files and second_files == first_files  # nothing re-tokenised into new cache files
     assert first["data_preparation_seconds"] > 0 and second["data_preparation_seconds"] > 0
     assert second["attn_implementation"] == "sdpa"  # transformers' fused attention, logged
-    assert "Attention: sdpa; optimizer: foreach AdamW" in second_log
+    assert "Attention: sdpa; optimizer: fused AdamW" in second_log
 
 
 def test_torch_compile_goes_through_accelerate(recipe, tmp_path, monkeypatch):
@@ -85,3 +85,18 @@ def test_dataloader_workers(recipe, tmp_path):
         recipe, [*TINY, "--max_train_steps", 2, "--dataloader_num_workers", 1, "--output_dir", tmp_path]
     )
     assert results["train_steps"] == 2 and results["eval_samples"] == 16
+
+
+def test_padding_per_epoch_is_logged_and_grouping_lowers_it(recipe, tmp_path, caplog):
+    caplog.set_level("INFO")
+    fractions = {}
+    for grouped in (False, True):
+        output_dir = tmp_path / f"grouped-{grouped}"
+        argv = [*TINY, "--max_train_samples", 64, "--num_train_epochs", 1, "--max_seq_length", 512]
+        argv += ["--output_dir", output_dir]  # 512: the tiny vocabulary makes long sequences
+        train(recipe, [*argv, "--group_by_length"] if grouped else argv)
+        rows = [row for row in log_history(output_dir) if "epoch_padding_fraction" in row]
+        assert len(rows) == 1 and rows[0]["step"] == 8
+        fractions[grouped] = rows[0]["epoch_padding_fraction"]
+    assert 0 < fractions[True] < fractions[False] < 1
+    assert f"epoch 1: {fractions[False]:.1%} of the batches' tokens were padding" in caplog.text

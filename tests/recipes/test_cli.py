@@ -1,0 +1,124 @@
+"""`amp-recipes ls/cp`, a copied recipe running outside the repository, and the README's
+"Make it your own" adaptations applied to copies and run."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, TINY_BERT, run
+from families import build_family
+
+CLI = [sys.executable, "-m", "amp_recipes.cli"]
+
+
+def sh(command, cwd, **env):
+    return run(command, cwd, cwd=cwd, **env)  # in the temporary folder, outside the repository
+
+
+def test_ls_lists_every_recipe_with_what_it_does_and_its_command(tmp_path):
+    listing = sh([*CLI, "ls"], tmp_path)
+    assert listing.returncode == 0, listing.stderr
+    lines = listing.stdout.splitlines()
+    assert lines[0].startswith("bert_glue") and "GLUE task" in lines[0]
+    assert lines[1].strip().startswith("accelerate launch recipes/bert_glue.py")
+    assert lines[2].startswith("bert_mlm") and "masked-language-model" in lines[2]
+    assert lines[3].strip().startswith("accelerate launch recipes/bert_mlm.py")
+    assert len(lines) == 4
+    console = shutil.which("amp-recipes")  # the installed entry point gives the same listing
+    if console:
+        assert sh([console, "ls"], tmp_path).stdout == listing.stdout
+
+
+def test_cp_copies_refuses_to_overwrite_and_says_what_to_run(tmp_path):
+    target = tmp_path / "jobs" / "my_task.py"
+    copied = sh([*CLI, "cp", "bert_glue", target], tmp_path)
+    assert copied.returncode == 0, copied.stderr
+    assert target.read_text() == (REPO / "recipes" / "bert_glue.py").read_text()
+    assert f"accelerate launch {target} --task_name mrpc --mixed_precision fp16" in copied.stdout
+    target.write_text("# my edits\n")
+    refused = sh([*CLI, "cp", "bert_glue", target], tmp_path)
+    assert refused.returncode == 1 and "exists; pass --force to overwrite it" in refused.stderr
+    assert target.read_text() == "# my edits\n"
+    assert sh([*CLI, "cp", "bert_glue", target, "--force"], tmp_path).returncode == 0
+    assert target.read_text().startswith('"""Fine-tune')
+    into_folder = sh([*CLI, "cp", "bert_mlm.py", tmp_path], tmp_path)
+    assert into_folder.returncode == 0 and (tmp_path / "bert_mlm.py").is_file()
+    unknown = sh([*CLI, "cp", "gpt_pretrain", target], tmp_path)
+    assert (
+        unknown.returncode == 2
+        and "no recipe 'gpt_pretrain'; choose from bert_glue, bert_mlm" in unknown.stderr
+    )
+
+
+def small_csvs(folder):
+    rows = ["great film, loved it", "terrible and dull", "a joy to watch", "boring plot", "wonderful acting"]
+    for name in ("reviews_train.csv", "reviews_dev.csv"):
+        lines = ["review,stars"] + [
+            f'"{text}",{"good" if i % 2 == 0 else "bad"}' for i, text in enumerate(rows * 4)
+        ]
+        (folder / name).write_text("\n".join(lines) + "\n")
+
+
+def test_a_copied_recipe_runs_outside_the_repository(tmp_path):
+    assert sh([*CLI, "cp", "bert_glue", tmp_path / "my_task.py"], tmp_path).returncode == 0
+    small_csvs(tmp_path)
+    argv = [
+        sys.executable,
+        "my_task.py",
+        "--train_file",
+        "reviews_train.csv",
+        "--validation_file",
+        "reviews_dev.csv",
+    ]
+    argv += ["--text_columns", "review", "--label_column", "stars", "--model_name_or_path", TINY_BERT]
+    argv += ["--max_train_steps", 2, "--per_device_train_batch_size", 4, "--output_dir", "out"]
+    done = sh(argv, tmp_path, PYTHONPATH="")  # nothing from the checkout on the path
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert results["train_steps"] == 2 and results["eval_samples"] == 20
+
+
+# ----------------------------------------------------------------------------- "Make it your own"
+def readme_adaptations() -> dict[str, str]:
+    """{title: unified diff} of the README's worked adaptations."""
+    section = (REPO / "README.md").read_text().split("## Make it your own", 1)[1].split("\n## ", 1)[0]
+    found = re.findall(r"^### (.+?)\n.*?```diff\n(.*?)```", section, re.S | re.M)
+    return {title.strip(): diff for title, diff in found}
+
+
+def test_the_readme_has_three_adaptations():
+    assert list(readme_adaptations()) == ["Your own CSV data", "Another model family", "Another metric"]
+
+
+@pytest.mark.parametrize("title", ["Your own CSV data", "Another model family", "Another metric"])
+def test_adaptation_applies_to_a_copy_and_runs(tmp_path, title):
+    assert sh([*CLI, "cp", "bert_glue", tmp_path / "my_task.py"], tmp_path).returncode == 0
+    patched = subprocess.run(
+        ["patch", "--no-backup-if-mismatch", "my_task.py"],
+        input=readme_adaptations()[title],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    small_csvs(tmp_path)
+    argv = [sys.executable, "my_task.py", "--max_train_steps", 2, "--per_device_train_batch_size", 4]
+    argv += ["--output_dir", "out"]
+    if title == "Another model family":  # the diff's Hub checkpoint cannot be fetched here: a tiny one
+        argv += ["--model_name_or_path", build_family("roberta", tmp_path / "tiny-roberta")]
+    else:
+        argv += ["--model_name_or_path", TINY_BERT]
+    if title != "Your own CSV data":
+        argv += ["--train_file", "reviews_train.csv", "--validation_file", "reviews_dev.csv"]
+        argv += ["--text_columns", "review", "--label_column", "stars"]
+    done = sh(argv, tmp_path, PYTHONPATH="")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    if title == "Another metric":
+        assert 0 <= results["eval_macro_f1"] <= 1 and "eval_accuracy" not in results
+    if title == "Another model family":
+        assert results["model_type"] == "roberta"
+    assert results["train_steps"] == 2
