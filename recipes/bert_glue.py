@@ -5,7 +5,9 @@
 
 accelerate owns autocast and the fp16 GradScaler (`--mixed_precision`, or the accelerate
 config); this file only asks for them and reports what is really in effect. Copy it as the
-template for your own job: everything about the loop and precision is in this one file.
+template for your own job (`amp-recipes cp bert_glue my_task.py`): the Accelerator, the data,
+the model and the training loop are all in this file; the conventions every recipe shares
+(flags, preflight, fp16 telemetry, checkpoints) are calls into the `amp_recipes` library.
 """
 
 import argparse

@@ -1,0 +1,227 @@
+"""Crash-safe checkpoints around accelerate's `save_state` / `load_state`, and preemption.
+
+`save_state` writes model, optimizer, scheduler, GradScaler and RNG states, but into the final
+folder directly: a crash mid-write leaves a folder that looks like a checkpoint. Here each
+checkpoint is written to a temporary folder, flushed, given a completeness marker (with our
+record of the run position and every file's size), renamed into place, and only then does the
+`latest` pointer move. Older checkpoints are rotated only after a newer one is complete.
+
+Layout: <output_dir>/checkpoints/{checkpoint-<step>/, latest}
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+from .data import InputError
+from .training import write_json_atomic
+
+MARKER = "amp_checkpoint.json"  # written last: a folder without it is not a checkpoint
+LATEST = "latest"
+PREFIX = "checkpoint-"
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be written or resumed, said in one sentence."""
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [p for p in checkpoints_dir.glob(f"{PREFIX}*") if (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def save_checkpoint(
+    accelerator, checkpoints_dir: Path, step: int, record: dict, save_total_limit: int | None
+) -> Path:
+    """Write checkpoint-<step> atomically (all processes call this; the main one renames)."""
+    checkpoints_dir = Path(checkpoints_dir)
+    final = checkpoints_dir / f"{PREFIX}{step}"
+    staging = checkpoints_dir / f".tmp-{PREFIX}{step}"
+    if accelerator.is_main_process:
+        checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(staging))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            files = {str(p.relative_to(staging)): p.stat().st_size for p in staging.rglob("*") if p.is_file()}
+            write_json_atomic(staging / MARKER, {**record, "files": files})
+            _fsync_tree(staging)
+            if final.exists():  # the same step saved again (e.g. a resumed run): replace it whole
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            _fsync_dir(checkpoints_dir)
+            (checkpoints_dir / f".{LATEST}.tmp").write_text(final.name)
+            os.replace(checkpoints_dir / f".{LATEST}.tmp", checkpoints_dir / LATEST)
+            _fsync_dir(checkpoints_dir)
+            rotate(checkpoints_dir, save_total_limit)
+    # torch.save reports a full disk as a RuntimeError ("PytorchStreamWriter failed writing file"),
+    # safetensors and plain writes as OSError(ENOSPC).
+    except (OSError, RuntimeError) as error:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        previous = complete_checkpoints(checkpoints_dir)
+        kept = f"{previous[-1]} is intact" if previous else "there is no earlier checkpoint"
+        disk_full = getattr(error, "errno", None) == errno.ENOSPC or "failed writing file" in str(error)
+        reason = "the disk is full" if disk_full else str(error).splitlines()[0]
+        raise CheckpointError(f"Could not write the checkpoint of step {step} ({reason}); {kept}.") from error
+    accelerator.wait_for_everyone()
+    return final
+
+
+def rotate(checkpoints_dir: Path, save_total_limit: int | None) -> None:
+    """Keep the newest `save_total_limit` complete checkpoints; never the only complete one."""
+    if not save_total_limit:
+        return
+    complete = complete_checkpoints(checkpoints_dir)
+    for old in complete[: max(0, len(complete) - max(1, save_total_limit))]:
+        shutil.rmtree(old)
+
+
+def resolve_checkpoint(value: str, checkpoints_dir: Path) -> Path:
+    """`latest` (the newest complete checkpoint of this output_dir) or a checkpoint folder."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if value != "latest":
+        path = Path(value)
+        if not path.is_dir():
+            raise CheckpointError(f"Checkpoint {path} does not exist.")
+        if path.name == "checkpoints" or (path / LATEST).exists():  # a checkpoints folder: its latest
+            return resolve_checkpoint("latest", path)
+        return path
+    pointer = checkpoints_dir / LATEST
+    if pointer.is_file() and (checkpoints_dir / pointer.read_text().strip() / MARKER).is_file():
+        return checkpoints_dir / pointer.read_text().strip()
+    complete = complete_checkpoints(checkpoints_dir)  # pointer lost: the newest complete one
+    if not complete:
+        raise CheckpointError(
+            f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir}; "
+            "drop the flag to start a fresh run."
+        )
+    return complete[-1]
+
+
+def read_checkpoint(path: Path, expected: dict) -> dict:
+    """The checkpoint's record, after checking it is complete, intact and of this run's kind."""
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"Checkpoint {path} is incomplete (no {MARKER}): its save was interrupted.")
+    try:
+        record = json.loads(marker.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"Checkpoint {path} is corrupted: {MARKER} is not valid JSON.") from error
+    for name, size in record.get("files", {}).items():
+        actual = (path / name).stat().st_size if (path / name).is_file() else None
+        if actual != size:
+            state = "missing" if actual is None else f"{actual} bytes instead of {size}"
+            raise CheckpointError(f"Checkpoint {path} is corrupted: {name} is {state}.")
+    for key, value in expected.items():
+        if record.get(key) != value:
+            raise CheckpointError(
+                f"Checkpoint {path} was written for {key} {record.get(key)!r}, but this run has {value!r}; "
+                "resume it with the same setting, or start a fresh run with another --output_dir."
+            )
+    return record
+
+
+def check_precision_switch(checkpoint: Path, accelerator) -> str | None:
+    """Resuming under another precision: allowed when no GradScaler state is lost silently.
+
+    accelerate's load_state restores `scaler.pt` only when the run has a scaler: an fp16
+    checkpoint resumed as bf16/fp32 drops the scaler state (said in a warning); a checkpoint
+    without one cannot be resumed under fp16 with a GradScaler (refused).
+    """
+    has_scaler_state = (checkpoint / "scaler.pt").is_file()
+    if accelerator.scaler is not None and not has_scaler_state:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint} has no GradScaler state (it was not written under fp16 with loss scaling), "
+            "so it cannot be resumed under fp16; resume it with the precision it was written with."
+        )
+    if has_scaler_state and accelerator.scaler is None:
+        return (
+            f"Resuming the fp16 checkpoint {checkpoint} under {accelerator.mixed_precision}: "
+            "its GradScaler state (loss scale, growth tracker) is dropped."
+        )
+    return None
+
+
+def load_checkpoint(accelerator, checkpoint: Path) -> None:
+    try:
+        accelerator.load_state(str(checkpoint))
+    except Exception as error:  # torch/safetensors raise many types for damaged or foreign files
+        raise CheckpointError(
+            f"Could not load checkpoint {checkpoint}: {str(error).splitlines()[0]}"
+        ) from error
+
+
+def resume(accelerator, value: str, checkpoints_dir: Path, identity: dict, logger) -> dict:
+    """Find, check and load a checkpoint (model, optimizer, scheduler, GradScaler, RNG); return its record."""
+    path = resolve_checkpoint(value, checkpoints_dir)
+    record = read_checkpoint(path, identity)
+    warning = check_precision_switch(path, accelerator)
+    if warning:
+        logger.warning(warning, main_process_only=True)
+    load_checkpoint(accelerator, path)
+    logger.info(f"Resumed from {path} at step {record['global_step']}", main_process_only=True)
+    return record
+
+
+def tracker_run_id(accelerator) -> str | None:
+    """The W&B run id, saved so that a resumed run continues the same W&B run."""
+    try:
+        return accelerator.get_tracker("wandb", unwrap=True).id
+    except (ValueError, AttributeError):
+        return None
+
+
+class PreemptionHandler:
+    """SIGTERM / SIGINT ask the loop to stop after the current optimizer step (and checkpoint).
+
+    A second signal falls back to the default behaviour, so a stuck run can still be stopped.
+    """
+
+    def __init__(self):
+        self.signal_name = None
+        self.previous = {
+            signum: signal.signal(signum, self._handle) for signum in (signal.SIGTERM, signal.SIGINT)
+        }
+
+    def restore(self) -> None:
+        """Give the signals back to whoever had them before training."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+        signal.signal(signum, signal.SIG_DFL)
+
+    def should_stop(self, accelerator) -> bool:
+        if accelerator.num_processes == 1:
+            return self.signal_name is not None  # a Python flag: no device synchronisation
+        if self.signal_name is not None:
+            accelerator.set_trigger()
+        return accelerator.check_trigger()  # one process signalled: every process stops together

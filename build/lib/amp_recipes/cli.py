@@ -1,0 +1,74 @@
+"""`amp-recipes`: list the recipes and copy one to start your own job.
+
+    amp-recipes ls
+    amp-recipes cp bert_glue ./my_task.py          # --force to overwrite
+
+A copied recipe is a plain script: it imports this package (installed) and nothing from the
+repository, so it runs from any directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shutil
+import sys
+from importlib import resources
+from pathlib import Path
+
+
+def recipes() -> dict[str, Path]:
+    """{name: file} of the recipes shipped with the package (the repository's recipes/ folder)."""
+    folder = resources.files("amp_recipes.recipes")
+    return {
+        Path(str(entry)).stem: Path(str(entry))
+        for entry in folder.iterdir()
+        if entry.name.endswith(".py") and not entry.name.startswith("_")
+    }
+
+
+def describe(path: Path) -> tuple[str, str]:
+    """(one line on what the recipe does, its launch command), from the recipe's docstring."""
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    lines = [line.strip() for line in docstring.splitlines()]
+    command = next((line for line in lines if line.startswith(("accelerate launch", "python "))), "")
+    return (lines[0] if lines else ""), command
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="amp-recipes", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("ls", help="List the recipes, what each does and how to launch it.")
+    copy = commands.add_parser("cp", help="Copy a recipe to start your own job.")
+    copy.add_argument("recipe", help="Recipe name, e.g. bert_glue (see `amp-recipes ls`).")
+    copy.add_argument("destination", help="File (or folder) to copy it to.")
+    copy.add_argument("--force", action="store_true", help="Overwrite an existing file.")
+    args = parser.parse_args(argv)
+
+    available = recipes()
+    if args.command == "ls":
+        width = max(map(len, available))
+        for name, path in sorted(available.items()):
+            description, command = describe(path)
+            print(f"{name:<{width}}  {description}\n{'':<{width}}  {command}")
+        return 0
+
+    name = args.recipe.removesuffix(".py")
+    if name not in available:
+        parser.error(f"no recipe {args.recipe!r}; choose from {', '.join(sorted(available))}.")
+    destination = Path(args.destination)
+    if destination.is_dir():
+        destination = destination / f"{name}.py"
+    if destination.exists() and not args.force:
+        print(f"amp-recipes: {destination} exists; pass --force to overwrite it.", file=sys.stderr)
+        return 1
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(available[name], destination)
+    _, command = describe(available[name])
+    next_command = command.replace(f"recipes/{name}.py", str(destination)) or f"python {destination} --help"
+    print(f"Copied {name} to {destination}. Edit it, then run:\n  {next_command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

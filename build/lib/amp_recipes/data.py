@@ -1,0 +1,389 @@
+"""GLUE task table and loading from the Hub, a `$GLUE_DIR` folder, or the user's own files.
+
+Every source is normalised to the Hub's column names (`sentence1`, `question`, ...)
+plus `label`: an int class id in the Hub's label order, or a float for regression.
+That way a model fine-tuned from local TSV files has the same `id2label` as one
+fine-tuned from the Hub.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+
+
+class InputError(ValueError):
+    """A problem with the user's input, reported as one sentence before training starts."""
+
+
+@dataclass(frozen=True)
+class GlueTask:
+    name: str
+    text_columns: tuple[str, ...]  # Hub column names fed to the tokenizer (one sentence or a pair)
+    label_names: tuple[str, ...] | None  # Hub label order; None means regression
+    glue_dir: str  # folder name in the classic $GLUE_DIR layout
+    tsv_header: tuple[str, ...] | None  # column names for header-less files (CoLA)
+    tsv_columns: dict[str, str]  # Hub name -> TSV column name, "label" included
+    # Hub split -> TSV file; the first is the main validation split.
+    eval_splits: dict[str, str] = field(default_factory=lambda: {"validation": "dev.tsv"})
+
+    @property
+    def is_regression(self) -> bool:
+        return self.label_names is None
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.is_regression else len(self.label_names)
+
+
+GLUE_TASKS: dict[str, GlueTask] = {
+    task.name: task
+    for task in [
+        GlueTask(
+            "cola",
+            ("sentence",),
+            ("unacceptable", "acceptable"),
+            "CoLA",
+            tsv_header=("source", "label", "original_mark", "sentence"),
+            tsv_columns={"sentence": "sentence", "label": "label"},
+        ),
+        GlueTask(
+            "sst2",
+            ("sentence",),
+            ("negative", "positive"),
+            "SST-2",
+            None,
+            {"sentence": "sentence", "label": "label"},
+        ),
+        GlueTask(
+            "mrpc",
+            ("sentence1", "sentence2"),
+            ("not_equivalent", "equivalent"),
+            "MRPC",
+            None,
+            {"sentence1": "#1 String", "sentence2": "#2 String", "label": "Quality"},
+        ),
+        GlueTask(
+            "qqp",
+            ("question1", "question2"),
+            ("not_duplicate", "duplicate"),
+            "QQP",
+            None,
+            {"question1": "question1", "question2": "question2", "label": "is_duplicate"},
+        ),
+        GlueTask(
+            "stsb",
+            ("sentence1", "sentence2"),
+            None,
+            "STS-B",
+            None,
+            {"sentence1": "sentence1", "sentence2": "sentence2", "label": "score"},
+        ),
+        GlueTask(
+            "mnli",
+            ("premise", "hypothesis"),
+            ("entailment", "neutral", "contradiction"),
+            "MNLI",
+            None,
+            {"premise": "sentence1", "hypothesis": "sentence2", "label": "gold_label"},
+            eval_splits={
+                "validation_matched": "dev_matched.tsv",
+                "validation_mismatched": "dev_mismatched.tsv",
+            },
+        ),
+        GlueTask(
+            "qnli",
+            ("question", "sentence"),
+            ("entailment", "not_entailment"),
+            "QNLI",
+            None,
+            {"question": "question", "sentence": "sentence", "label": "label"},
+        ),
+        GlueTask(
+            "rte",
+            ("sentence1", "sentence2"),
+            ("entailment", "not_entailment"),
+            "RTE",
+            None,
+            {"sentence1": "sentence1", "sentence2": "sentence2", "label": "label"},
+        ),
+        GlueTask(
+            "wnli",
+            ("sentence1", "sentence2"),
+            ("not_entailment", "entailment"),
+            "WNLI",
+            None,
+            {"sentence1": "sentence1", "sentence2": "sentence2", "label": "label"},
+        ),
+    ]
+}
+
+
+@dataclass
+class TaskData:
+    """What a recipe needs to know about its data, whatever the source."""
+
+    name: str  # GLUE task name, or "custom"
+    splits: datasets.DatasetDict  # "train" plus one or more eval splits, normalised columns
+    text_columns: tuple[str, ...]
+    label_names: tuple[str, ...] | None  # None means regression
+    metric_config: str  # config name of amp_recipes/metrics/glue
+    eval_splits: tuple[str, ...] = ("validation",)
+
+    @property
+    def is_regression(self) -> bool:
+        return self.label_names is None
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.is_regression else len(self.label_names)
+
+
+def get_task(name: str) -> GlueTask:
+    try:
+        return GLUE_TASKS[name.lower()]
+    except KeyError:
+        raise InputError(f"Unknown task {name!r}: choose one of {', '.join(GLUE_TASKS)}.") from None
+
+
+def resolve_task_dir(task: GlueTask, data_dir: str | os.PathLike) -> Path:
+    """Accept either the $GLUE_DIR root (holding MRPC/, CoLA/, ...) or the task's own folder."""
+    root = Path(data_dir)
+    for candidate in (root / task.glue_dir, root):
+        if (candidate / "train.tsv").is_file():
+            return candidate
+    raise InputError(
+        f"No GLUE files for {task.name} under {root}: expected {root / task.glue_dir / 'train.tsv'} "
+        f"(the classic $GLUE_DIR layout) or {root / 'train.tsv'}."
+    )
+
+
+def _read_glue_tsv(path: Path, task: GlueTask, cache_dir: str | None) -> datasets.Dataset:
+    if not path.is_file():
+        raise InputError(f"Missing GLUE file {path} for task {task.name}.")
+    # GLUE TSVs are not CSV: no quote processing (several rows hold unbalanced quotes that a
+    # quoting reader would merge), MRPC starts with a UTF-8 BOM, and text such as "null" or
+    # "NA" must stay text (na_filter=False).
+    kwargs = dict(delimiter="\t", quoting=csv.QUOTE_NONE, na_filter=False, encoding="utf-8-sig")
+    if task.tsv_header is not None:
+        kwargs.update(header=None, column_names=list(task.tsv_header))
+    try:
+        table = datasets.load_dataset(
+            "csv", data_files={"data": str(path)}, split="data", cache_dir=cache_dir, **kwargs
+        )
+    except Exception as error:  # pandas/arrow parse errors come in many types
+        raise InputError(f"Could not parse {path} as a GLUE {task.name} file: {error}") from error
+    missing = [column for column in task.tsv_columns.values() if column not in table.column_names]
+    if missing:
+        raise InputError(
+            f"{path} has no column(s) {missing} needed for {task.name}; found {table.column_names}."
+        )
+    table = table.select_columns(list(task.tsv_columns.values()))
+    table = table.rename_columns({tsv: hub for hub, tsv in task.tsv_columns.items() if tsv != hub})
+    return _encode_labels(table, task.label_names, str(path))
+
+
+def _encode_labels(table: datasets.Dataset, label_names, source: str) -> datasets.Dataset:
+    """Turn string or numeric labels into Hub-style class ids (or floats), checking every row."""
+    if label_names is None:
+        try:
+            return table.cast_column("label", datasets.Value("float32"))
+        except (ValueError, TypeError) as error:
+            raise InputError(f"{source}: regression labels must be numbers ({error}).") from error
+    index = {name: i for i, name in enumerate(label_names)}
+    if not any(name.lstrip("-").isdigit() for name in label_names):
+        # Named classes (GLUE) may also be written as their ids, as in most GLUE TSVs.
+        index.update({str(i): i for i in range(len(label_names))})
+
+    def encode(batch):
+        ids = []
+        for value in batch["label"]:
+            key = str(value).strip()
+            if key not in index:
+                raise InputError(
+                    f"{source}: label {value!r} is not one of {list(label_names)} "
+                    f"(or 0..{len(label_names) - 1})."
+                )
+            ids.append(index[key])
+        return {"label": ids}
+
+    features = table.features.copy()
+    features["label"] = datasets.ClassLabel(names=list(label_names))
+    return table.map(encode, batched=True, features=features, desc="Checking labels")
+
+
+def load_glue_from_dir(task: GlueTask, data_dir, cache_dir: str | None = None) -> datasets.DatasetDict:
+    task_dir = resolve_task_dir(task, data_dir)
+    files = {"train": "train.tsv", **task.eval_splits}
+    return datasets.DatasetDict(
+        {split: _read_glue_tsv(task_dir / name, task, cache_dir) for split, name in files.items()}
+    )
+
+
+def load_glue_from_hub(task: GlueTask, cache_dir: str | None = None) -> datasets.DatasetDict:
+    try:
+        raw = datasets.load_dataset("nyu-mll/glue", task.name, cache_dir=cache_dir)
+    except Exception as error:  # connection, offline-mode and missing-cache errors differ by version
+        raise InputError(
+            f"Could not load GLUE {task.name} from the Hugging Face Hub ({type(error).__name__}). "
+            "Offline? Point --data_dir (or $GLUE_DIR) at the classic GLUE folder of TSV files."
+        ) from error
+    keep = ["train", *task.eval_splits]
+    return datasets.DatasetDict(
+        {split: raw[split].select_columns([*task.text_columns, "label"]) for split in keep}
+    )
+
+
+def load_glue(task_name: str, data_dir=None, cache_dir: str | None = None) -> TaskData:
+    """GLUE task data from `data_dir` when given (or `$GLUE_DIR` when set), else from the Hub."""
+    task = get_task(task_name)
+    data_dir = data_dir or os.environ.get("GLUE_DIR")
+    if data_dir:
+        splits = load_glue_from_dir(task, data_dir, cache_dir)
+    else:
+        splits = load_glue_from_hub(task, cache_dir)
+    return TaskData(
+        name=task.name,
+        splits=splits,
+        text_columns=task.text_columns,
+        label_names=task.label_names,
+        metric_config=task.name,
+        eval_splits=tuple(task.eval_splits),
+    )
+
+
+_FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
+_DEFAULT_TEXT_COLUMNS = (("sentence1", "sentence2"), ("sentence",), ("text",))
+
+
+def _load_user_file(path: str, cache_dir: str | None) -> datasets.Dataset:
+    suffix = Path(path).suffix.lower()
+    if suffix not in _FILE_BUILDERS:
+        raise InputError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .json or .jsonl.")
+    if not os.path.isfile(path):
+        raise InputError(f"Data file {path} does not exist.")
+    kwargs = {"delimiter": "\t"} if suffix == ".tsv" else {}
+    if suffix in (".csv", ".tsv"):
+        kwargs["na_filter"] = False  # keep "NA"/"null" texts as text
+    try:
+        return datasets.load_dataset(
+            _FILE_BUILDERS[suffix], data_files={"data": path}, split="data", cache_dir=cache_dir, **kwargs
+        )
+    except Exception as error:
+        raise InputError(f"Could not read {path}: {error}") from error
+
+
+def load_user_files(
+    train_file: str,
+    validation_file: str,
+    text_columns: tuple[str, ...] | None = None,
+    label_column: str = "label",
+    cache_dir: str | None = None,
+) -> TaskData:
+    """The user's own sentence (or sentence-pair) classification or regression data.
+
+    Float labels mean regression; anything else is classification, with the class list
+    taken from the training file (sorted) so that ids are stable between runs.
+    """
+    tables = {
+        "train": _load_user_file(train_file, cache_dir),
+        "validation": _load_user_file(validation_file, cache_dir),
+    }
+    columns = tables["train"].column_names
+    if text_columns is None:
+        text_columns = next((c for c in _DEFAULT_TEXT_COLUMNS if set(c) <= set(columns)), None)
+        if text_columns is None:
+            raise InputError(
+                f"{train_file}: no text columns found (looked for sentence1+sentence2, sentence or text); "
+                f"found {columns}. Name them with --text_columns."
+            )
+    for split, table in tables.items():
+        path = train_file if split == "train" else validation_file
+        missing = [c for c in (*text_columns, label_column) if c not in table.column_names]
+        if missing:
+            raise InputError(f"{path} has no column(s) {missing}; found {table.column_names}.")
+        table = table.select_columns([*text_columns, label_column])
+        if label_column != "label":
+            table = table.rename_column(label_column, "label")
+        tables[split] = table
+
+    label_type = tables["train"].features["label"]
+    regression = getattr(label_type, "dtype", "").startswith("float")
+    label_names = None
+    if not regression:
+        values = {str(v) for v in tables["train"]["label"]}
+        label_names = tuple(
+            sorted(values, key=lambda v: (0, int(v), "") if v.lstrip("-").isdigit() else (1, 0, v))
+        )
+        if len(label_names) < 2:
+            raise InputError(
+                f"{train_file}: classification needs at least two label values, found {list(label_names)}."
+            )
+    splits = datasets.DatasetDict(
+        {
+            split: _encode_labels(table, label_names, train_file if split == "train" else validation_file)
+            for split, table in tables.items()
+        }
+    )
+    return TaskData(
+        name="custom",
+        splits=splits,
+        text_columns=tuple(text_columns),
+        label_names=label_names,
+        metric_config="regression" if regression else "classification",
+    )
+
+
+def load_text_files(
+    train_file: str,
+    validation_file: str | None = None,
+    text_column: str = "text",
+    validation_percentage: float = 5.0,
+    seed: int = 42,
+    cache_dir: str | None = None,
+) -> datasets.DatasetDict:
+    """Unlabelled text for language-model training: `.txt` (one text per line, empty lines
+    dropped) or a text column of `.csv`/`.tsv`/`.json`/`.jsonl`. Without a validation file,
+    `validation_percentage` of the texts are held out (seeded split)."""
+
+    def read(path: str) -> datasets.Dataset:
+        if Path(path).suffix.lower() != ".txt":
+            table = _load_user_file(path, cache_dir)
+            if text_column not in table.column_names:
+                raise InputError(
+                    f"{path} has no column {text_column!r}; found {table.column_names}. Use --text_column."
+                )
+            table = (
+                table.select_columns([text_column]).rename_column(text_column, "text")
+                if text_column != "text"
+                else table.select_columns(["text"])
+            )
+        else:
+            if not os.path.isfile(path):
+                raise InputError(f"Data file {path} does not exist.")
+            table = datasets.load_dataset(
+                "text", data_files={"data": path}, split="data", cache_dir=cache_dir
+            )
+        table = table.filter(
+            lambda row: bool(row["text"] and row["text"].strip()), desc="Dropping empty texts"
+        )
+        if table.num_rows == 0:
+            raise InputError(f"{path} holds no text.")
+        return table
+
+    train = read(train_file)
+    if validation_file:
+        return datasets.DatasetDict({"train": train, "validation": read(validation_file)})
+    if not 0 < validation_percentage < 100:
+        raise InputError(
+            "--validation_split_percentage must be between 0 and 100 (or give --validation_file)."
+        )
+    held_out = max(1, round(train.num_rows * validation_percentage / 100))
+    if held_out >= train.num_rows:
+        raise InputError(f"{train_file} has too few texts ({train.num_rows}) to hold out a validation split.")
+    split = train.train_test_split(test_size=held_out, seed=seed)
+    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})

@@ -1,0 +1,109 @@
+"""Facts about the machine a run or benchmark used: device, precision support, software."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+
+import torch
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                if flags and model:
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without them CPU bf16 autocast is emulated and much slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_info()[1])
+
+
+def _nvidia_driver() -> str | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (subprocess.SubprocessError, OSError, IndexError):
+        return None
+
+
+def device_facts(device: torch.device | None = None) -> dict:
+    """What the preflight needs to know about this process's device. Works before the
+    Accelerator exists (for `--mixed_precision auto`): CUDA unless ACCELERATE_USE_CPU is set."""
+    if device is None:
+        use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+        if torch.cuda.is_available() and not use_cpu:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        else:
+            device = torch.device("cpu")
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        properties = torch.cuda.get_device_properties(index)
+        return {
+            "device_type": "cuda",
+            "device_name": properties.name,
+            "compute_capability": f"{properties.major}.{properties.minor}",
+            "tensor_cores": properties.major >= 7,  # Volta (7.0) and newer
+            # Native bf16 from Ampere (8.0); torch can emulate it on older GPUs, slowly.
+            "bf16_supported": properties.major >= 8,
+        }
+    return {
+        "device_type": device.type,
+        "device_name": cpu_info()[0] if device.type == "cpu" else device.type,
+        "compute_capability": None,
+        "tensor_cores": False,
+        "bf16_supported": device.type == "cpu" and cpu_has_native_bf16(),  # AVX512-BF16 / AMX
+    }
+
+
+def hardware_record(device: torch.device | None = None) -> dict:
+    import accelerate
+    import transformers
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cpu_model, _ = cpu_info()
+    record = {
+        "device_type": device.type,
+        "cpu_model": cpu_model,
+        "cpu_count": torch.get_num_threads(),
+        "cpu_native_bf16": cpu_has_native_bf16(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "tf32_matmul_allowed": torch.backends.cuda.matmul.allow_tf32,
+    }
+    record.update(device_facts(device))
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        properties = torch.cuda.get_device_properties(index)
+        record.update(
+            tf32_supported=properties.major >= 8,  # Ampere (8.0) and newer
+            gpu_memory_bytes=properties.total_memory,
+            cuda=torch.version.cuda,
+            driver=_nvidia_driver(),
+        )
+    else:
+        record.update(tf32_supported=False)
+    return record

@@ -1,0 +1,85 @@
+"""Throughput and memory meters that do not stall the GPU.
+
+Counts that live on the device (non-padding tokens) are accumulated there and
+read only when a log line is written: a `.item()` every step forces a host-device
+synchronisation and breaks the asynchronous pipeline mixed precision relies on.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on a GPU, peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
+
+
+class ThroughputMeter:
+    """Samples, tokens and padding over a window of training steps."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.epoch_padded_tokens = 0  # over the epoch, for its padding fraction
+        self.epoch_real_tokens = torch.zeros((), dtype=torch.long, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.samples = 0
+        self.padded_tokens = 0  # host-side: shapes are known without a sync
+        self.real_tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        self.started = time.perf_counter()
+
+    def update(self, batch: dict) -> None:
+        input_ids = batch["input_ids"]
+        self.samples += input_ids.shape[0]
+        self.padded_tokens += input_ids.numel()
+        real = batch["attention_mask"].sum() if "attention_mask" in batch else input_ids.numel()
+        self.real_tokens += real
+        self.epoch_padded_tokens += input_ids.numel()
+        self.epoch_real_tokens += real
+
+    def epoch_padding_fraction(self, accelerator=None) -> float:
+        """Share of the epoch's batch positions that were padding (over all processes); resets."""
+        totals = torch.stack(
+            [self.epoch_real_tokens, torch.tensor(self.epoch_padded_tokens, device=self.device)]
+        )
+        if accelerator is not None and accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
+        real, padded = totals.tolist()
+        self.epoch_padded_tokens = 0
+        self.epoch_real_tokens.zero_()
+        return 1.0 - real / padded if padded else 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave time spent elsewhere (evaluation) out of the current window."""
+        self.started += seconds
+
+    def read(self, accelerator=None) -> dict:
+        """Rates over the window since the last read (summed over processes), then start a new window."""
+        real_tokens = self.real_tokens
+        samples, padded = self.samples, self.padded_tokens
+        if accelerator is not None and accelerator.num_processes > 1:
+            totals = accelerator.reduce(
+                torch.tensor([samples, padded], device=self.device, dtype=torch.long), reduction="sum"
+            )
+            samples, padded = (int(v) for v in totals.tolist())
+            real_tokens = accelerator.reduce(real_tokens.clone(), reduction="sum")
+        real = int(real_tokens.item())
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.reset()
+        return {
+            "samples_per_second": samples / elapsed,
+            "tokens_per_second": real / elapsed,
+            "padding_fraction": 1.0 - real / padded if padded else 0.0,
+            "samples": samples,
+            "tokens": real,
+            "seconds": elapsed,
+        }

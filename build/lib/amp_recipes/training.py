@@ -1,0 +1,191 @@
+"""Pieces every fine-tuning recipe would otherwise copy: tokenisation, collation,
+length-grouped sampling, optimizer parameter groups, metrics and the run record."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import evaluate
+import torch
+from transformers import DataCollatorWithPadding
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from .data import InputError, TaskData
+
+METRICS_DIR = Path(__file__).parent / "metrics"
+
+
+def check_launch(accelerator) -> None:
+    """Refuse launches that accelerate would quietly run another way.
+
+    - On a machine without GPUs, `accelerate launch --multi_gpu --num_processes N` starts N
+      independent single-process runs (each training on all the data, all writing the same
+      files) unless ACCELERATE_USE_CPU=1 asks for a gloo process group.
+    - accelerate turns on FSDP / DeepSpeed only over GPU (or other accelerator) process groups:
+      asked on a CPU, it trains with plain DDP instead.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        raise InputError(
+            f"{launched} processes were launched but accelerate sees {accelerator.num_processes}: on a machine "
+            "without GPUs set ACCELERATE_USE_CPU=1 for multi-process CPU training (gloo)."
+        )
+    for engine in ("FSDP", "DEEPSPEED"):
+        asked = os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true"
+        if asked and accelerator.distributed_type.value != engine:
+            raise InputError(
+                f"{engine} was requested but accelerate set up {accelerator.distributed_type.value} on "
+                f"{accelerator.device.type}: accelerate enables {engine} only on GPUs; use a GPU machine or drop it."
+            )
+
+
+def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: int | None = None):
+    """Tokenise every split with `datasets.map` (cached on disk, so a second run skips it).
+
+    No padding here: the collator pads each batch to its own longest sequence.
+    """
+    if max_seq_length > tokenizer.model_max_length:
+        raise InputError(
+            f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
+        )
+
+    def tokenize(batch):
+        texts = [batch[column] for column in task.text_columns]
+        encoded = tokenizer(*texts, truncation=True, max_length=max_seq_length)
+        encoded["labels"] = batch["label"]
+        return encoded
+
+    return task.splits.map(
+        tokenize,
+        batched=True,
+        num_proc=num_proc,
+        remove_columns=task.splits["train"].column_names,
+        desc="Tokenizing",
+    )
+
+
+def make_collator(tokenizer, mixed_precision: str):
+    # Tensor Cores run fp16/bf16 matmuls fastest on dimensions that are multiples of 8,
+    # so reduced-precision batches are padded up to one; fp32 pads to the longest sequence.
+    pad_to_multiple_of = 8 if mixed_precision in ("fp16", "bf16", "fp8") else None
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def train_sampler(dataset, batch_size: int, group_by_length: bool, seed: int):
+    """None (the DataLoader shuffles) or a sampler that batches sequences of similar length.
+
+    Grouping cuts padding, hence wasted compute, at the price of less random batches.
+    """
+    if not group_by_length:
+        return None
+    return EpochLengthGroupedSampler(
+        batch_size, lengths=[len(ids) for ids in dataset["input_ids"]], seed=seed
+    )
+
+
+class EpochLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' length-grouped sampler, reseeded from (seed, epoch) like accelerate's seedable
+    sampler, so a run resumed mid-epoch sees the same batches as an uninterrupted one."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        super().__init__(batch_size, lengths=lengths, generator=torch.Generator().manual_seed(seed))
+        self.seed = seed
+
+    def set_epoch(self, epoch: int) -> None:  # accelerate's DataLoaderShard calls it each epoch
+        self.generator.manual_seed(self.seed + epoch)
+
+
+def optimizer_grouped_parameters(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay on biases and normalisation weights (the BERT convention)."""
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        lowered = name.lower()
+        (no_decay if lowered.endswith("bias") or "norm" in lowered else decay).append(parameter)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def load_metric(config_name: str):
+    """The GLUE metric module shipped in this package, so evaluation works offline."""
+    return evaluate.load(str(METRICS_DIR / "glue"), config_name, keep_in_memory=True)
+
+
+def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
+    """Write to a temporary file in the same folder, flush to disk, then rename into place:
+    a crash leaves either the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+        json.dump(payload, handle, indent=2)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(handle.name, path)
+
+
+class RunRecord:
+    """The run's local record in `output_dir`: `log_history.jsonl` (one line per log or eval)
+    and `eval_results.json` (final metrics and run summary). Writes only on the main process."""
+
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool, resume_step: int | None = None):
+        self.output_dir = Path(output_dir)
+        self.enabled = enabled
+        if enabled:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            history = self.output_dir / "log_history.jsonl"
+            kept = []
+            if resume_step is not None and history.exists():  # keep what happened up to the checkpoint
+                kept = [
+                    line
+                    for line in history.read_text().splitlines()
+                    if json.loads(line)["step"] <= resume_step
+                ]
+            history.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, values: dict, step: int) -> None:
+        if self.enabled:
+            with open(self.output_dir / "log_history.jsonl", "a") as handle:
+                handle.write(json.dumps({"step": step, **values}) + "\n")
+
+    def write_results(self, results: dict) -> None:
+        if self.enabled:
+            write_json_atomic(self.output_dir / "eval_results.json", results)
+
+
+def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | None = None):
+    """Language-model inputs: tokenise each text (with its special tokens), concatenate them and
+    cut blocks of max_seq_length tokens, so no compute goes to padding. Cached by `datasets.map`.
+    A split too short for one block keeps what it has as a single shorter block."""
+    if max_seq_length > tokenizer.model_max_length:
+        raise InputError(
+            f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
+        )
+
+    def tokenize(batch):
+        return tokenizer(batch["text"], return_special_tokens_mask=True)
+
+    def group(batch):
+        columns = {key: sum(batch[key], []) for key in batch}
+        total = len(columns["input_ids"])
+        usable = (total // max_seq_length) * max_seq_length or total
+        return {
+            key: [values[i : i + max_seq_length] for i in range(0, usable, max_seq_length)]
+            for key, values in columns.items()
+        }
+
+    tokenized = splits.map(
+        tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc="Tokenizing"
+    )
+    return tokenized.map(
+        group,
+        batched=True,
+        batch_size=1000,
+        num_proc=num_proc,
+        desc=f"Grouping into blocks of {max_seq_length}",
+    )
