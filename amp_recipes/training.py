@@ -3,11 +3,13 @@ length-grouped sampling, optimizer parameter groups, metrics and the run record.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
+import datasets
 import evaluate
 import torch
 from transformers import DataCollatorWithPadding
@@ -52,19 +54,49 @@ def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: in
             f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
         )
 
+    # datasets fingerprints (dill-hashes) this function and everything it refers to on every run
+    # to find its cache: refer to the column names, not to `task`, whose splits it would hash too.
+    text_columns = tuple(task.text_columns)
+
     def tokenize(batch):
-        texts = [batch[column] for column in task.text_columns]
+        texts = [batch[column] for column in text_columns]
         encoded = tokenizer(*texts, truncation=True, max_length=max_seq_length)
         encoded["labels"] = batch["label"]
         return encoded
 
-    return task.splits.map(
-        tokenize,
-        batched=True,
-        num_proc=num_proc,
-        remove_columns=task.splits["train"].column_names,
-        desc="Tokenizing",
-    )
+    key = ("tokenize_splits/1", text_columns, max_seq_length)
+    return cached_map(task.splits, tokenize, tokenizer, key, num_proc=num_proc, desc="Tokenizing")
+
+
+def cached_map(splits, function, tokenizer, key, remove_columns=None, **map_kwargs):
+    """Batched `map` over each split, cached on disk by `datasets` under a fingerprint of (the
+    split, the tokenizer's full definition, `key`).
+
+    Written here because datasets' own fingerprint dill-pickles the function with everything it
+    refers to, the tokenizer included, on every run: about 0.2 s for MiniLM's tokenizer, most of
+    a second run's data preparation. Hashing the fast tokenizer's JSON takes ~20 ms. Slow (Python)
+    tokenizers keep datasets' own fingerprint."""
+    tokenizer_hash = None
+    if getattr(tokenizer, "is_fast", False):
+        definition = json.loads(tokenizer.backend_tokenizer.to_str())
+        definition.pop("truncation", None)  # runtime state the tokenizer call itself changes
+        definition.pop("padding", None)
+        tokenizer_hash = hashlib.sha256(json.dumps(definition, sort_keys=True).encode()).hexdigest()
+        tokenizer_hash += repr(sorted(tokenizer.init_kwargs.items(), key=str))  # padding side etc.
+    mapped = {}
+    for split, table in splits.items():
+        fingerprint = None
+        if tokenizer_hash is not None:
+            parts = (table._fingerprint, tokenizer_hash, key, map_kwargs.get("batch_size"))
+            fingerprint = hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+        mapped[split] = table.map(
+            function,
+            batched=True,
+            remove_columns=table.column_names if remove_columns is None else remove_columns,
+            new_fingerprint=fingerprint,
+            **map_kwargs,
+        )
+    return datasets.DatasetDict(mapped)
 
 
 def make_collator(tokenizer, mixed_precision: str):
@@ -179,12 +211,15 @@ def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | N
             for key, values in columns.items()
         }
 
-    tokenized = splits.map(
-        tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc="Tokenizing"
+    tokenized = cached_map(
+        splits, tokenize, tokenizer, ("mlm-tokenize/1",), num_proc=num_proc, desc="Tokenizing"
     )
-    return tokenized.map(
+    return cached_map(
+        tokenized,
         group,
-        batched=True,
+        tokenizer,
+        ("mlm-group/1", max_seq_length),
+        remove_columns=[],
         batch_size=1000,
         num_proc=num_proc,
         desc=f"Grouping into blocks of {max_seq_length}",

@@ -2,13 +2,15 @@
 
 import json
 
+import datasets
 import torch
-from conftest import GLUE_DIR, TINY_BERT
+from conftest import GLUE_DIR, TINY_BERT, minilm_path
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from amp_recipes.data import load_glue
 from amp_recipes.training import (
     RunRecord,
+    cached_map,
     make_collator,
     optimizer_grouped_parameters,
     tokenize_splits,
@@ -81,3 +83,23 @@ def test_run_record_writes_only_when_enabled(tmp_path):
     record.log({"loss": 0.5}, 2)
     lines = (tmp_path / "on" / "log_history.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
+
+
+def test_cached_map_fingerprint_follows_data_tokenizer_and_key():
+    tiny, minilm = AutoTokenizer.from_pretrained(TINY_BERT), AutoTokenizer.from_pretrained(minilm_path())
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a fine film", "dull"]})})
+
+    def fingerprint(tokenizer, key, data=splits):
+        mapped = cached_map(
+            data, lambda batch: tokenizer(batch["text"], truncation=True, max_length=8), tokenizer, key
+        )
+        return mapped["train"]._fingerprint
+
+    first = fingerprint(tiny, ("k", 8))
+    assert (
+        fingerprint(tiny, ("k", 8)) == first
+    )  # the same work finds the same cache (truncation state ignored)
+    assert fingerprint(tiny, ("k", 16)) != first
+    assert fingerprint(minilm, ("k", 8)) != first
+    other = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["another film", "dull"]})})
+    assert fingerprint(tiny, ("k", 8), other) != first
