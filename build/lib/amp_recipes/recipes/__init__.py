@@ -1,1 +1,0 @@
-"""The recipes, shipped inside the package as `amp_recipes.recipes` for `amp-recipes ls/cp`."""
