@@ -9,6 +9,19 @@ import argparse
 from .telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
 
 
+def add_worker_args(group) -> None:
+    """Worker processes for tokenisation and for the DataLoader (a recipe's data group)."""
+    group.add_argument(
+        "--preprocessing_num_workers", type=int, help="Processes for tokenisation (large datasets)."
+    )
+    group.add_argument(
+        "--dataloader_num_workers",
+        type=int,
+        help="DataLoader worker processes (default: 2 on CUDA, where batches are built while the GPU "
+        "computes; 0 elsewhere).",
+    )
+
+
 def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> None:
     train = parser.add_argument_group("training")
     train.add_argument("--per_device_train_batch_size", type=int, default=32)

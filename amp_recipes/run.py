@@ -130,10 +130,13 @@ def guard(telemetry, step: int, where: str | None, checkpoint) -> None:
 
 
 def log_training(
-    accelerator, telemetry, meter, activations, lr_scheduler, step: int, epoch: float, precision: str
-):
-    """One log line: loss, grad norm, fp16 loss scale and skips, learning rate, throughput, padding,
-    fp16 range. Reads the device once; raises TrainingDiverged on a non-finite bf16/fp32 loss."""
+    accelerator, telemetry, meter, activations, lr_scheduler, step: int, epoch: float, precision: str,
+    progress, record,
+) -> dict:  # fmt: skip
+    """One log line — loss, grad norm, fp16 loss scale and skips, learning rate, throughput,
+    padding, fp16 range — to the trackers, the progress bar and log_history.jsonl. Reads the
+    device once; raises TrainingDiverged on a non-finite bf16/fp32 loss. Returns the window's
+    throughput (samples, tokens, seconds)."""
     throughput = meter.read(accelerator)
     logs = {
         **telemetry.read(),
@@ -146,7 +149,10 @@ def log_training(
     postfix = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs['learning_rate']:.2e}"}
     if telemetry.fp16:
         postfix.update(scale=f"{logs['loss_scale']:g}", skipped=logs["skipped_steps"])
-    return logs, throughput, postfix
+    progress.set_postfix(postfix)
+    accelerator.log(logs, step=step)
+    record.log(logs, step)
+    return throughput
 
 
 def stop_if_preempted(preemption, accelerator, step: int, checkpoint, logger) -> None:

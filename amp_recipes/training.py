@@ -44,15 +44,19 @@ def check_launch(accelerator) -> None:
             )
 
 
+def check_max_length(tokenizer, max_seq_length: int) -> None:
+    if max_seq_length > tokenizer.model_max_length:
+        raise InputError(
+            f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
+        )
+
+
 def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: int | None = None):
     """Tokenise every split with `datasets.map` (cached on disk, so a second run skips it).
 
     No padding here: the collator pads each batch to its own longest sequence.
     """
-    if max_seq_length > tokenizer.model_max_length:
-        raise InputError(
-            f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
-        )
+    check_max_length(tokenizer, max_seq_length)
 
     # datasets fingerprints (dill-hashes) this function and everything it refers to on every run
     # to find its cache: refer to the column names, not to `task`, whose splits it would hash too.
@@ -99,11 +103,28 @@ def cached_map(splits, function, tokenizer, key, remove_columns=None, **map_kwar
     return datasets.DatasetDict(mapped)
 
 
+def pad_multiple(mixed_precision: str) -> int | None:
+    """Tensor Cores run fp16/bf16 matmuls fastest on dimensions that are multiples of 8, so
+    reduced-precision batches are padded up to one; fp32 pads to the longest sequence."""
+    return 8 if mixed_precision in ("fp16", "bf16", "fp8") else None
+
+
 def make_collator(tokenizer, mixed_precision: str):
-    # Tensor Cores run fp16/bf16 matmuls fastest on dimensions that are multiples of 8,
-    # so reduced-precision batches are padded up to one; fp32 pads to the longest sequence.
-    pad_to_multiple_of = 8 if mixed_precision in ("fp16", "bf16", "fp8") else None
-    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(mixed_precision))
+
+
+def loader_settings(accelerator, collator, num_workers: int | None) -> dict:
+    """DataLoader keyword arguments shared by a recipe's loaders: on CUDA, pinned memory and (by
+    default) 2 worker processes that build batches while the GPU computes; none elsewhere."""
+    on_cuda = accelerator.device.type == "cuda"
+    num_workers = num_workers if num_workers is not None else 2 * on_cuda
+    # persistent: no worker restart each epoch
+    return {
+        "collate_fn": collator,
+        "pin_memory": on_cuda,
+        "num_workers": num_workers,
+        "persistent_workers": num_workers > 0,
+    }
 
 
 def train_sampler(dataset, batch_size: int, group_by_length: bool, seed: int):
@@ -194,10 +215,7 @@ def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | N
     """Language-model inputs: tokenise each text (with its special tokens), concatenate them and
     cut blocks of max_seq_length tokens, so no compute goes to padding. Cached by `datasets.map`.
     A split too short for one block keeps what it has as a single shorter block."""
-    if max_seq_length > tokenizer.model_max_length:
-        raise InputError(
-            f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
-        )
+    check_max_length(tokenizer, max_seq_length)
 
     def tokenize(batch):
         return tokenizer(batch["text"], return_special_tokens_mask=True)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-from amp_recipes.arguments import add_shared_args, check_shared_args
+from amp_recipes.arguments import add_shared_args, add_worker_args, check_shared_args
 from amp_recipes.checkpoint import PreemptionHandler, resume
 from amp_recipes.data import GLUE_TASKS, InputError, load_glue, load_user_files
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
@@ -48,6 +48,7 @@ from amp_recipes.telemetry import ActivationMonitor, StepTelemetry, TrainingDive
 from amp_recipes.training import (
     RunRecord,
     load_metric,
+    loader_settings,
     make_collator,
     tokenize_splits,
     train_sampler,
@@ -86,15 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--group_by_length", action="store_true", help="Batch sequences of similar length (less padding)."
     )
-    data.add_argument(
-        "--preprocessing_num_workers", type=int, help="Processes for tokenisation (large datasets)."
-    )
-    data.add_argument(
-        "--dataloader_num_workers",
-        type=int,
-        help="DataLoader worker processes (default: 2 on CUDA, where batches are built while the GPU "
-        "computes; 0 elsewhere).",
-    )
+    add_worker_args(data)
 
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
@@ -191,10 +184,7 @@ def main(argv=None):
     logger.info(f"Data ready in {data_seconds:.1f} s", main_process_only=True)
 
     collator = make_collator(tokenizer, accelerator.mixed_precision)
-    on_cuda = accelerator.device.type == "cuda"
-    num_workers = args.dataloader_num_workers if args.dataloader_num_workers is not None else 2 * on_cuda
-    loader_kwargs = {"collate_fn": collator, "pin_memory": on_cuda, "num_workers": num_workers}
-    loader_kwargs["persistent_workers"] = num_workers > 0  # no worker restart each epoch
+    loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)
     sampler = train_sampler(
         tokenized["train"], args.per_device_train_batch_size, args.group_by_length, args.seed
     )
@@ -393,15 +383,13 @@ def main(argv=None):
             )
             guard(telemetry, completed_steps, where, save if args.checkpointing_steps else None)
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                logs, throughput, postfix = log_training(
+                throughput = log_training(
                     accelerator, telemetry, meter, activations, lr_scheduler,
                     completed_steps, completed_steps / steps_per_epoch, precision["precision_in_effect"],
+                    progress, record,
                 )  # fmt: skip
                 train_samples += throughput["samples"]
                 train_tokens += throughput["tokens"]
-                progress.set_postfix(postfix)
-                accelerator.log(logs, step=completed_steps)
-                record.log(logs, completed_steps)
             if args.eval_steps and completed_steps % args.eval_steps == 0:
                 results = run_evaluation(completed_steps, epoch + 1)
             if (

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, get_scheduler
 
-from amp_recipes.arguments import add_shared_args, check_shared_args
+from amp_recipes.arguments import add_shared_args, add_worker_args, check_shared_args
 from amp_recipes.checkpoint import PreemptionHandler, resume
 from amp_recipes.data import InputError, load_text_files
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
@@ -44,7 +44,7 @@ from amp_recipes.run import (
     stop_if_preempted,
 )
 from amp_recipes.telemetry import ActivationMonitor, StepTelemetry, TrainingDiverged
-from amp_recipes.training import RunRecord, tokenize_and_group
+from amp_recipes.training import RunRecord, loader_settings, pad_multiple, tokenize_and_group
 
 logger = get_logger(__name__)
 
@@ -68,10 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--max_seq_length", type=int, default=128, help="Tokens per training block.")
     data.add_argument("--mlm_probability", type=float, default=0.15, help="Share of tokens masked.")
-    data.add_argument("--preprocessing_num_workers", type=int, help="Processes for tokenisation.")
-    data.add_argument(
-        "--dataloader_num_workers", type=int, help="DataLoader workers (default: 2 on CUDA, else 0)."
-    )
+    add_worker_args(data)
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
     add_shared_args(parser, output_default="outputs/mlm")
@@ -143,11 +140,9 @@ def main(argv=None):
     collator = DataCollatorForLanguageModeling(
         tokenizer,
         mlm_probability=args.mlm_probability,
-        pad_to_multiple_of=8 if accelerator.mixed_precision in ("fp16", "bf16") else None,
+        pad_to_multiple_of=pad_multiple(accelerator.mixed_precision),
     )
-    on_cuda = accelerator.device.type == "cuda"
-    num_workers = args.dataloader_num_workers if args.dataloader_num_workers is not None else 2 * on_cuda
-    loader_kwargs = {"collate_fn": collator, "pin_memory": on_cuda, "num_workers": num_workers}
+    loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)
     train_dataloader = DataLoader(
         blocks["train"],
         batch_size=args.per_device_train_batch_size,
@@ -274,15 +269,13 @@ def main(argv=None):
             )
             guard(telemetry, completed_steps, where, save if args.checkpointing_steps else None)
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                logs, throughput, postfix = log_training(
+                throughput = log_training(
                     accelerator, telemetry, meter, activations, lr_scheduler,
                     completed_steps, completed_steps / steps_per_epoch, precision["precision_in_effect"],
+                    progress, record,
                 )  # fmt: skip
                 train_seconds += throughput["seconds"]
                 train_tokens += throughput["tokens"]
-                progress.set_postfix(postfix)
-                accelerator.log(logs, step=completed_steps)
-                record.log(logs, completed_steps)
             if args.eval_steps and completed_steps % args.eval_steps == 0:
                 results = run_evaluation(completed_steps)
             if (
