@@ -216,12 +216,22 @@ def _encode_labels(table: datasets.Dataset, label_names, source: str) -> dataset
     return table.map(encode, batched=True, features=features, desc="Checking labels")
 
 
-def load_glue_from_dir(task: GlueTask, data_dir, cache_dir: str | None = None) -> datasets.DatasetDict:
+def glue_files(task: GlueTask, data_dir) -> dict[str, Path]:
+    """Split -> the TSV file it is read from."""
     task_dir = resolve_task_dir(task, data_dir)
-    files = {"train": "train.tsv", **task.eval_splits}
+    return {split: task_dir / name for split, name in {"train": "train.tsv", **task.eval_splits}.items()}
+
+
+def load_glue_from_dir(task: GlueTask, data_dir, cache_dir: str | None = None) -> datasets.DatasetDict:
     return datasets.DatasetDict(
-        {split: _read_glue_tsv(task_dir / name, task, cache_dir) for split, name in files.items()}
+        {split: _read_glue_tsv(path, task, cache_dir) for split, path in glue_files(task, data_dir).items()}
     )
+
+
+def glue_sources(task_name: str, data_dir=None) -> list[Path] | None:
+    """The local files `load_glue` reads for a task, or None when it reads the Hub."""
+    data_dir = data_dir or os.environ.get("GLUE_DIR")
+    return list(glue_files(get_task(task_name), data_dir).values()) if data_dir else None
 
 
 def load_glue_from_hub(task: GlueTask, cache_dir: str | None = None) -> datasets.DatasetDict:

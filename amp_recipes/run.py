@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import GradScalerKwargs, TorchDynamoPlugin, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, TorchDynamoPlugin, set_seed
 
 from .hardware import device_facts
 from .precision import choose_auto_precision, format_preflight, preflight
@@ -28,7 +28,7 @@ SCALER_FLAGS = ("init_scale", "growth_interval", "growth_factor", "backoff_facto
 def accelerator_settings(args) -> dict:
     """`Accelerator(...)` keyword arguments from the shared flags: the precision (`auto` resolved
     here, the reason kept in `args.auto_reason`), the GradScaler settings as accelerate's
-    `GradScalerKwargs`, and torch.compile as its `TorchDynamoPlugin`.
+    `GradScalerKwargs`, torch.compile as its `TorchDynamoPlugin`, and the DataLoader settings.
 
     mixed_precision=None lets `accelerate launch --mixed_precision` or the config file decide."""
     args.auto_reason = None
@@ -45,6 +45,12 @@ def accelerator_settings(args) -> dict:
         "dynamo_plugin": TorchDynamoPlugin(backend=args.torch_compile_backend)
         if args.torch_compile
         else None,
+        "dataloader_config": DataLoaderConfiguration(
+            use_seedable_sampler=True,  # shuffling seeded by (seed, epoch): a resume sees the same batches
+            # Batches copied to the GPU without the host waiting for the copy (accelerate's default
+            # waits, a stall per step); they come from pinned memory (`loader_settings`).
+            non_blocking=torch.cuda.is_available(),
+        ),
     }
 
 

@@ -22,14 +22,13 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from amp_recipes.arguments import add_shared_args, add_worker_args, check_shared_args
 from amp_recipes.checkpoint import PreemptionHandler, resume
-from amp_recipes.data import GLUE_TASKS, InputError, load_glue, load_user_files
+from amp_recipes.data import GLUE_TASKS, InputError, glue_sources, load_glue, load_user_files
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.precision import check_model_dtype
 from amp_recipes.run import (
@@ -50,6 +49,7 @@ from amp_recipes.training import (
     load_metric,
     loader_settings,
     make_collator,
+    prepare_once,
     tokenize_splits,
     train_sampler,
 )
@@ -140,14 +140,11 @@ def main(argv=None):
 
     # ------------------------------------------------------------------------- accelerator
     accelerator = Accelerator(
-        **accelerator_settings(
-            args
-        ),  # --mixed_precision (auto resolved), --fp16_* GradScaler, --torch_compile
+        # --mixed_precision (auto resolved), --fp16_* GradScaler, --torch_compile, seeded shuffling
+        **accelerator_settings(args),
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
-        # Shuffling seeded by (seed, epoch): a resumed run sees the same batches.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     # Preflight: device, Tensor Cores, bf16, the precision really in effect and who chose it;
     # refuses what cannot work (bf16 on a pre-Ampere GPU), warns about what silently misbehaves.
@@ -162,26 +159,35 @@ def main(argv=None):
             f"Could not load model {args.model_name_or_path!r} ({str(error).splitlines()[0]}). Offline? Pass a local "
             "directory holding config.json, the weights and the tokenizer as --model_name_or_path, and set HF_HUB_OFFLINE=1."
         ) from error
-    data_started = time.perf_counter()  # load + tokenise: a second run reads datasets' cache
-    if args.task_name:
-        task = load_glue(args.task_name, args.data_dir)
-    else:
-        text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
-        task = load_user_files(args.train_file, args.validation_file, text_columns, args.label_column)
-    if args.max_train_samples:
-        task.splits["train"] = task.splits["train"].select(
-            range(min(args.max_train_samples, task.splits["train"].num_rows))
-        )
-    if args.max_eval_samples:
-        for split in task.eval_splits:
-            task.splits[split] = task.splits[split].select(
-                range(min(args.max_eval_samples, task.splits[split].num_rows))
+
+    def prepare():  # load, select, tokenise (each step cached by datasets)
+        if args.task_name:
+            task = load_glue(args.task_name, args.data_dir)
+        else:
+            text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
+            task = load_user_files(args.train_file, args.validation_file, text_columns, args.label_column)
+        if args.max_train_samples:
+            task.splits["train"] = task.splits["train"].select(
+                range(min(args.max_train_samples, task.splits["train"].num_rows))
             )
-    # The main process tokenises and caches; the others reuse the cache.
-    with accelerator.main_process_first():
-        tokenized = tokenize_splits(task, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+        if args.max_eval_samples:
+            for split in task.eval_splits:
+                task.splits[split] = task.splits[split].select(
+                    range(min(args.max_eval_samples, task.splits[split].num_rows))
+                )
+        return task, tokenize_splits(task, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+
+    data_started = time.perf_counter()
+    # Local files: a later run with the same files, tokenizer and data flags loads the copy the
+    # first one saved (sources None: data from the Hub, cached by datasets alone).
+    files = [args.train_file, args.validation_file]
+    sources = glue_sources(args.task_name, args.data_dir) if args.task_name else files
+    shaping = (args.task_name, args.text_columns, args.label_column, args.max_seq_length)
+    samples = (args.max_train_samples, args.max_eval_samples)
+    with accelerator.main_process_first():  # the main process prepares, the others load its copy
+        task, tokenized = prepare_once(prepare, sources, tokenizer, ("bert_glue", shaping, samples))
     data_seconds = time.perf_counter() - data_started
-    logger.info(f"Data ready in {data_seconds:.1f} s", main_process_only=True)
+    logger.info(f"Data ready in {data_seconds:.2f} s", main_process_only=True)
 
     collator = make_collator(tokenizer, accelerator.mixed_precision)
     loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)

