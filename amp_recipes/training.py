@@ -143,12 +143,15 @@ def prepare_once(build, sources, tokenizer, key, cache_dir=None):
             tokenized = datasets.load_from_disk(str(final / "data"))
             task = TaskData(splits=datasets.DatasetDict(), **{k: _tuple(v) for k, v in meta.items()})
             return task, tokenized
-        except (OSError, ValueError, TypeError, FileNotFoundError):
+        except (OSError, ValueError, TypeError):
             pass  # unreadable: prepare again, and replace it below
     task, tokenized = build()
-    root.mkdir(parents=True, exist_ok=True)
     # Saved under a temporary name, then renamed: a crash never leaves a folder that looks complete.
-    scratch = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
+    except OSError:
+        return task, tokenized  # nowhere to keep a copy: this run has its data anyway
     try:
         tokenized.save_to_disk(str(scratch / "data"))
         meta = {k: v for k, v in vars(task).items() if k != "splits"}

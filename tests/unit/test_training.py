@@ -170,3 +170,10 @@ def test_prepare_once_builds_every_time_without_local_files(tmp_path):
     missing = [tmp_path / "missing.csv"]
     prepare_once(lambda: calls.append(1) or ("task", "data"), missing, tokenizer, "k", cache_dir=tmp_path)
     assert len(calls) == 3 and not (tmp_path / "amp_recipes_prepared").exists()
+    blocked = tmp_path / "a-file"  # a cache folder that cannot be created
+    blocked.write_text("")
+    sources = [os.path.join(GLUE_DIR, "RTE", "train.tsv")]
+    assert prepare_once(lambda: ("task", "data"), sources, tokenizer, "k", cache_dir=blocked) == (
+        "task",
+        "data",
+    )
