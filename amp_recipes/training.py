@@ -123,7 +123,8 @@ PREPARED_FORMAT = 1  # bump when what a recipe's prepare step produces changes
 
 def prepare_once(build, sources, tokenizer, key, cache_dir=None):
     """`build()` -> (TaskData, tokenised DatasetDict), or the copy saved by an earlier run that
-    prepared the same local files (path, size, modification time) with the same tokenizer and `key`.
+    prepared the same local files (path, size, modification time) with the same code, tokenizer
+    and `key`.
 
     Written here because datasets' own caches, even when every step hits, cost a fixed ~0.07 s of
     builder and cache look-ups per run: most of a second run's data preparation on a small task
@@ -134,7 +135,12 @@ def prepare_once(build, sources, tokenizer, key, cache_dir=None):
     if sources is None or fingerprint is None or not all(os.path.isfile(p) for p in sources):
         return build()  # (a missing file is reported by build())
     files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in sources]
-    digest = hashlib.sha256(repr((PREPARED_FORMAT, files, fingerprint, key)).encode()).hexdigest()[:32]
+    # The code that prepares: the file defining build() (a copied recipe edited by its user, say)
+    # and this library's data code. Any edit to them prepares again.
+    code = [Path(build.__code__.co_filename), Path(__file__), Path(__file__).with_name("data.py")]
+    code = [hashlib.sha256(path.read_bytes()).hexdigest() for path in code if path.is_file()]
+    parts = (PREPARED_FORMAT, files, code, fingerprint, key)
+    digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
     root = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / "amp_recipes_prepared"
     final = root / digest
     if final.is_dir():

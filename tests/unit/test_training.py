@@ -177,3 +177,27 @@ def test_prepare_once_builds_every_time_without_local_files(tmp_path):
         "task",
         "data",
     )
+
+
+def test_prepare_once_prepares_again_when_the_code_that_prepares_changes(tmp_path, monkeypatch):
+    """A user who copies a recipe and edits how it prepares the data must not get the old copy."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_BERT)
+    sources = [os.path.join(GLUE_DIR, "RTE", "train.tsv")]
+    recipe = tmp_path / "my_task.py"
+
+    def run_copy(marker):
+        recipe.write_text(
+            "import datasets\n"
+            "from amp_recipes.data import TaskData\n"
+            "def build():\n"
+            f"    data = datasets.DatasetDict({{'train': datasets.Dataset.from_dict({{'x': [{marker}]}})}})\n"
+            "    return TaskData('t', data, ('x',), None, 't'), data\n"
+        )
+        namespace = {}
+        exec(compile(recipe.read_text(), str(recipe), "exec"), namespace)
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+        task_and_data = prepare_once(namespace["build"], sources, tokenizer, "k")
+        return task_and_data[1]["train"]["x"]
+
+    assert run_copy(1) == [1]
+    assert run_copy(2) == [2]  # edited: prepared again, not the saved [1]
