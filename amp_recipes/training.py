@@ -134,7 +134,8 @@ def prepare_once(build, sources, tokenizer, key, cache_dir=None):
     fingerprint = tokenizer_fingerprint(tokenizer)
     if sources is None or fingerprint is None or not all(os.path.isfile(p) for p in sources):
         return build()  # (a missing file is reported by build())
-    files = [(str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in sources]
+    stats = {str(Path(p).resolve()): os.stat(p) for p in sources}
+    files = [(path, stat.st_size, stat.st_mtime_ns) for path, stat in stats.items()]
     # The code that prepares: the file defining build() (a copied recipe edited by its user, say)
     # and this library's data code. Any edit to them prepares again.
     code = [Path(build.__code__.co_filename), Path(__file__), Path(__file__).with_name("data.py")]

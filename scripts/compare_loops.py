@@ -295,7 +295,7 @@ def run_arm(args, arm: str, work_dir: Path) -> dict:
 
 def summarise(runs: dict[str, list[dict]], reference: str) -> dict:
     """Per arm: the median of each figure, and two step-time ratios to the reference arm that
-    this VM's drift (+-5% between identical runs) spoils less than a ratio of medians: the median
+    this VM's drift (up to 10% between identical runs made side by side) spoils less than a ratio of medians: the median
     of the ratios of runs made side by side (repeat by repeat), and fastest run over fastest run
     (noise only ever adds time)."""
     summary = {}
