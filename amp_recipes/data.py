@@ -240,7 +240,8 @@ def load_glue_from_hub(task: GlueTask, cache_dir: str | None = None) -> datasets
     except Exception as error:  # connection, offline-mode and missing-cache errors differ by version
         raise InputError(
             f"Could not load GLUE {task.name} from the Hugging Face Hub ({type(error).__name__}). "
-            "Offline? Point --data_dir (or $GLUE_DIR) at the classic GLUE folder of TSV files."
+            "Offline? Point --data_dir (or $GLUE_DIR) at the classic GLUE folder of TSV files "
+            "(the repository ships CoLA, MRPC, RTE and SST-2 in data/glue)."
         ) from error
     keep = ["train", *task.eval_splits]
     return datasets.DatasetDict(

@@ -31,6 +31,10 @@ PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
     "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
     "H100": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},  # SXM
     "H200": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},  # SXM
+    # The NVL (PCIe) cards run slower clocks: their datasheets give 835 / 1,671 TFLOP/s for
+    # TF32 / FP16-BF16 with sparsity, i.e. half that dense, and 60 for FP32.
+    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "fp16": 835.5, "bf16": 835.5},
+    "H200 NVL": {"fp32": 60.0, "tf32": 417.5, "fp16": 835.5, "bf16": 835.5},
 }
 
 
@@ -49,7 +53,7 @@ def training_flops_per_step(
 
 def device_peak_tflops(device_name: str, precision: str) -> float | None:
     """Peak dense TFLOP/s of a known GPU at a precision, or None when unknown."""
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe"/"H100 NVL" before "H100"
         # Whole words only: "L4" must not match an "L40S", nor "A10" an "A100".
         if all(re.search(rf"\b{re.escape(part)}\b", device_name, re.IGNORECASE) for part in key.split()):
             return PEAK_TFLOPS[key][precision]

@@ -32,6 +32,20 @@ def cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_info()[1])
 
 
+def tf32_matmul_enabled() -> bool:
+    """Whether fp32 CUDA matmuls may run on TF32 Tensor Cores. Read through torch's
+    `fp32_precision` API where it exists: the legacy `allow_tf32` getter raises once anything
+    (a user, accelerate, torch.compile) set TF32 through the new API."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        precision = matmul.fp32_precision
+    except AttributeError:  # a torch without the fp32_precision API
+        return bool(matmul.allow_tf32)
+    if precision == "none":  # inherits the global setting
+        precision = getattr(torch.backends, "fp32_precision", "ieee")
+    return precision == "tf32"
+
+
 def _nvidia_driver() -> str | None:
     if not shutil.which("nvidia-smi"):
         return None
@@ -68,13 +82,17 @@ def device_facts(device: torch.device | None = None) -> dict:
             # Native bf16 from Ampere (8.0); torch can emulate it on older GPUs, slowly.
             "bf16_supported": properties.major >= 8,
         }
-    return {
+    facts = {
         "device_type": device.type,
         "device_name": cpu_info()[0] if device.type == "cpu" else device.type,
         "compute_capability": None,
         "tensor_cores": False,
         "bf16_supported": device.type == "cpu" and cpu_has_native_bf16(),  # AVX512-BF16 / AMX
     }
+    if device.type == "cpu":
+        # A bare `accelerate launch` sets OMP_NUM_THREADS=1: the preflight compares the two.
+        facts.update(cpu_cores=len(os.sched_getaffinity(0)), torch_threads=torch.get_num_threads())
+    return facts
 
 
 def hardware_record(device: torch.device | None = None) -> dict:
@@ -92,7 +110,7 @@ def hardware_record(device: torch.device | None = None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "accelerate": accelerate.__version__,
-        "tf32_matmul_allowed": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_matmul_allowed": tf32_matmul_enabled(),
     }
     record.update(device_facts(device))
     if device.type == "cuda":

@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from .data import InputError
-from .hardware import device_facts
+from .hardware import device_facts, tf32_matmul_enabled
 
 # Engines that own precision themselves (their own loss scaler / casting) rather than torch autocast.
 _ENGINE_OWNED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
@@ -35,9 +35,18 @@ def precision_source(flag: str | None) -> str:
 
 
 def effective_precision(accelerator: Accelerator) -> str:
-    """The compute precision really in effect: 'fp16', 'bf16' or 'fp32'."""
+    """The compute precision really in effect: 'fp16', 'bf16', 'tf32' or 'fp32'."""
     requested = accelerator.mixed_precision
     if requested == "no":
+        # TF32 matmuls on an Ampere+ GPU are not fp32 (accelerate itself turns TF32 on for a
+        # compiled fp32 run on CUDA, in AcceleratorState).
+        device = accelerator.device
+        if (
+            device.type == "cuda"
+            and tf32_matmul_enabled()
+            and torch.cuda.get_device_capability(device)[0] >= 8
+        ):
+            return "tf32"
         return "fp32"
     if accelerator.distributed_type in _ENGINE_OWNED:
         return requested
@@ -85,13 +94,19 @@ def choose_auto_precision(facts: dict) -> tuple[str, str]:
 
 
 def preflight_checks(
-    facts: dict, requested: str, flag: str | None, launcher: str | None, in_effect: str | None = None
+    facts: dict,
+    requested: str,
+    flag: str | None,
+    launcher: str | None,
+    in_effect: str | None = None,
+    num_processes: int = 1,
 ) -> tuple[list, list]:
     """Warnings and refusals (each one sentence with the fix) for a precision on a device.
 
     `requested` is accelerate's mixed_precision, `flag` the script's --mixed_precision, `launcher`
     ACCELERATE_MIXED_PRECISION (set by `accelerate launch` or its config file), `in_effect` what
-    accelerate really enabled (default: the fp32 it falls back to for fp16 on a CPU)."""
+    accelerate really enabled (default: the fp32 it falls back to for fp16 on a CPU),
+    `num_processes` how many processes share the machine."""
     warnings, refusals = [], []
     where = facts["device_name"]
     if facts.get("compute_capability"):
@@ -110,6 +125,14 @@ def preflight_checks(
                 else "use a CUDA GPU for fp16, or --mixed_precision no."
             )
         )
+    cores, threads = facts.get("cpu_cores", 1), facts.get("torch_threads")
+    if facts["device_type"] == "cpu" and threads == 1 and num_processes < cores:
+        warnings.append(
+            f"this run computes with 1 thread on a CPU with {cores} cores (OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; a bare `accelerate launch` sets it to 1): "
+            "use every core with `accelerate launch --config_file accelerate_configs/cpu.yaml ...` "
+            "or plain `python recipes/...`."
+        )
     if requested == "bf16" and facts["device_type"] == "cpu" and not facts["bf16_supported"]:
         warnings.append(
             f"bf16 on {where}, which has no native bf16 (AVX512-BF16/AMX): autocast emulates it and runs "
@@ -127,9 +150,15 @@ def preflight_checks(
     return warnings, refusals
 
 
-def check_model_dtype(model: torch.nn.Module, precision_in_effect: str) -> None:
+def check_model_dtype(
+    model: torch.nn.Module, precision_in_effect: str, distributed_type: DistributedType | None = None
+) -> None:
     """AMP keeps fp32 master weights and casts per operation; half-precision weights break the
-    GradScaler ("Attempting to unscale FP16 gradients") and lose small updates under bf16."""
+    GradScaler ("Attempting to unscale FP16 gradients") and lose small updates under bf16.
+    DeepSpeed is exempt: its optimizer holds the fp32 master weights, and under ZeRO-3's
+    `zero.Init` transformers creates the module's own parameters in half precision."""
+    if distributed_type in _ENGINE_OWNED:
+        return
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     half = sorted(str(d).replace("torch.", "") for d in dtypes & {torch.float16, torch.bfloat16})
     if half and precision_in_effect in ("fp16", "bf16"):
@@ -147,7 +176,9 @@ def preflight(accelerator: Accelerator, flag: str | None, auto_reason: str | Non
     facts = facts or device_facts(accelerator.device)
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
     in_effect = effective_precision(accelerator)
-    warnings, refusals = preflight_checks(facts, accelerator.mixed_precision, flag, launcher, in_effect)
+    warnings, refusals = preflight_checks(
+        facts, accelerator.mixed_precision, flag, launcher, in_effect, accelerator.num_processes
+    )
     if refusals:
         raise InputError(" ".join(refusals))
     report = {**describe_precision(accelerator, flag), **facts, "num_processes": accelerator.num_processes}

@@ -163,7 +163,7 @@ def log_training(
 
 def stop_if_preempted(preemption, accelerator, step: int, checkpoint, logger) -> None:
     """On SIGTERM/SIGINT (on any process): checkpoint, say how to continue, exit 143 (130 for SIGINT)."""
-    if not preemption.should_stop(accelerator):
+    if not preemption.should_stop(accelerator, step):
         return
     path = checkpoint()
     logger.warning(

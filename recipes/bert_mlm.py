@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, get_scheduler
@@ -149,8 +150,12 @@ def main(argv=None):
         generator=torch.Generator().manual_seed(args.seed),
         **loader_kwargs,
     )
+    # Evaluation masks are drawn in this process (no workers), where evaluate() seeds them: worker
+    # processes would draw from their own RNGs, and two evaluations of the same weights would differ.
     eval_dataloader = DataLoader(
-        blocks["validation"], batch_size=args.per_device_eval_batch_size, **loader_kwargs
+        blocks["validation"],
+        batch_size=args.per_device_eval_batch_size,
+        **{**loader_kwargs, "num_workers": 0, "persistent_workers": False},
     )
 
     # ------------------------------------------------------------------------- model
@@ -158,21 +163,28 @@ def main(argv=None):
         model = AutoModelForMaskedLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     except OSError as error:
         raise InputError(f"Could not load model {args.model_name_or_path!r}: {error}") from error
-    check_model_dtype(model, precision["precision_in_effect"])
+    check_model_dtype(model, precision["precision_in_effect"], accelerator.distributed_type)
 
     # ------------------------------------------------------------------------- optimizer
     optimizer = make_optimizer(model, args, accelerator)  # fused AdamW where torch has it
 
-    # ------------------------------------------------------------------------- prepare
-    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader
-    )
-    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    # Sized before prepare(), so the scheduler is prepared with the model and optimizer (under
+    # DeepSpeed the engine then owns it, and save_state keeps it): each process will see
+    # ceil(batches / processes) batches. accelerate's prepared scheduler steps once per process for
+    # every optimizer step; DeepSpeed's engine steps its own once per optimizer step.
+    per_process_batches = math.ceil(len(train_dataloader) / accelerator.num_processes)
+    steps_per_epoch = math.ceil(per_process_batches / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or steps_per_epoch * args.num_train_epochs
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    scheduler_steps = max_train_steps * accelerator.num_processes  # it steps once per process
-    lr_scheduler = accelerator.prepare(
-        get_scheduler("linear", optimizer, int(args.warmup_ratio * scheduler_steps), scheduler_steps)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    scheduler_steps = max_train_steps * (1 if deepspeed else accelerator.num_processes)
+    lr_scheduler = get_scheduler(
+        "linear", optimizer, int(args.warmup_ratio * scheduler_steps), scheduler_steps
+    )
+
+    # ------------------------------------------------------------------------- prepare
+    model, optimizer, train_dataloader, lr_scheduler, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, lr_scheduler, eval_dataloader
     )
 
     # ------------------------------------------------------------------------- resume

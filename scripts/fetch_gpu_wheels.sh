@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # bash scripts/fetch_gpu_wheels.sh [EXTRA_REQUIREMENT ...]
 #
-# Downloads, where pip can reach a package index, the wheels scripts/gpu_check.sh needs on a
-# GPU machine that has torch, transformers and accelerate but no datasets/evaluate and no
-# network: Python 3.12, manylinux x86-64, into .whl/ (git-ignored). Extra requirements, such as
-# `pyarrow==24.0.0` when the GPU image's pyarrow is older than datasets needs, can be added.
+# The prepare step of the GPU check, run where pip can reach a package index: downloads into
+# .whl/ (git-ignored) the wheels that scripts/gpu_check.sh needs on a GPU machine that has torch,
+# transformers, accelerate, pyarrow and pandas but no datasets/evaluate and no network (Python 3.12,
+# manylinux x86-64). Versions are those of requirements-lock.txt, the ones our tests pass on;
+# their dependencies the GPU image lacks come with them. Extra requirements, such as
+# `pyarrow==26.0.1` when the image's pyarrow is older than datasets needs, can be added.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+pins=$(grep -E '^(datasets|evaluate|dill|multiprocess|xxhash)==' requirements-lock.txt)
+[ "$(echo "$pins" | wc -l)" -eq 5 ] || { echo "requirements-lock.txt lacks one of the pins: $pins" >&2; exit 1; }
 mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl "datasets>=3.0" "evaluate>=0.4.3" "dill<0.4.2" "multiprocess<0.70.20" "$@"
+    -d .whl $pins "$@"
 ls -la .whl

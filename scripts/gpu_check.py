@@ -1,21 +1,25 @@
 """One-shot GPU validation of the repository's fp16 claims (about 8 minutes on one H200).
 
     bash scripts/gpu_check.sh --output_dir gpu_check_results
-    bash scripts/gpu_check.sh --dry_run --output_dir /tmp/gpu_check   # same plan, CPU, tiny model, < 2 min
+    bash scripts/gpu_check.sh --dry_run --output_dir /tmp/gpu_check   # same plan, CPU, tiny model
 
 Run it through scripts/gpu_check.sh, which first installs carried wheels of packages a GPU
-image may lack. Three steps, everything written into --output_dir:
+image may lack (scripts/fetch_gpu_wheels.sh fetches them). Three steps, each with its own time
+limit, everything written into --output_dir:
 
 1. `pytest -m gpu tests/gpu`: accelerate's real CUDA fp16 path (GradScaler, a skipped step on an
    injected overflow with the scheduler held, scaler state through save/load), bf16, hardware
-   facts, and the recipe logging its loss scale  -> pytest.xml, pytest.log
+   facts, and the recipe logging its loss scale  -> pytest.xml, gpu_tests.log
 2. the paired benchmark on BERT-base (random weights from config), seq 128, arms
    fp32/tf32/fp16/bf16, with a capped max-batch search  -> benchmark/results.{json,md,png}
 3. a short fine-tune of recipes/bert_glue.py on MRPC in fp32 and in fp16, for loss agreement
    -> finetune_fp32/, finetune_fp16/
 
-and summary.json + summary.md, printed at the end. Data and models come from --shared_dir
-(the layout of ../shared: data/glue/MRPC, models/tiny-random-bert, models/bert-base-uncased).
+summary.json + summary.md are rewritten after every step and printed at the end. "ok" means the
+figures hold (every arm ran its precision, no timed run crashed, the fp16 loss agrees with fp32
+within LOSS_TOLERANCE, the GradScaler skipped the injected overflow), not only exit codes 0.
+Everything comes from the checkout: MRPC from data/glue, BERT-base's config and vocabulary from
+data/models/bert-base-uncased (random weights; the dry run shrinks it to 2 layers of width 32).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,16 +35,31 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+GLUE_DIR = REPO / "data" / "glue"
+BERT_BASE = REPO / "data" / "models" / "bert-base-uncased"
+# The dry run's model: BERT-base's vocabulary and layout, shrunk so a CPU trains it in seconds.
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry_run", action="store_true", help="The same plan on CPU with the tiny model.")
     parser.add_argument("--output_dir", type=Path, default=Path("gpu_check_results"))
-    parser.add_argument(
-        "--shared_dir", type=Path, default=Path(os.environ.get("AMP_SHARED_DIR", REPO.parent / "shared"))
-    )
     return parser.parse_args(argv)
+
+
+# Per-step limits (seconds). On the H200: imports and CUDA start-up ~20 s a process; the
+# benchmark starts ~30 fresh processes (4 arms x (1 timed run + a capped search)).
+TIMEOUTS = {"gpu_tests": 150, "benchmark": 210, "finetune_fp32": 60, "finetune_fp16": 60}
+DRY_RUN_TIMEOUTS = {"gpu_tests": 120, "benchmark": 420, "finetune_fp32": 180, "finetune_fp16": 180}
+# The fp16 fine-tune's per-step loss against fp32's, same seed and batches: rounding alone moves
+# it by far less; a broken scaler, autocast or loss reduction moves it by far more.
+LOSS_TOLERANCE = 0.05
+# What each benchmark arm must have run as, on the GPU and on a CPU (the dry run).
+EXPECTED_PRECISION = {
+    False: {"fp32": "fp32", "tf32": "tf32", "fp16": "fp16", "bf16": "bf16"},
+    True: {"fp32": "fp32", "bf16": "bf16"},
+}
 
 
 def plan(args) -> dict:
@@ -47,8 +67,6 @@ def plan(args) -> dict:
     if args.dry_run:
         return {
             "benchmark": [
-                "--config_name",
-                args.shared_dir / "models" / "tiny-random-bert",
                 "--arms",
                 "fp32,bf16",
                 "--seq_len",
@@ -66,9 +84,9 @@ def plan(args) -> dict:
                 "--search_granularity",
                 256,
                 "--search_max",
-                1024,
+                512,
             ],
-            "model": args.shared_dir / "models" / "tiny-random-bert",
+            "model": TINY,
             "finetune": [
                 "--max_train_samples",
                 64,
@@ -103,7 +121,7 @@ def plan(args) -> dict:
             "--search_max",
             1024,
         ],
-        "model": None,  # BERT-base with random weights, built below from the real config and vocab
+        "model": {},  # BERT-base as it is, with random weights
         "finetune": [
             "--max_train_samples",
             1920,
@@ -117,26 +135,50 @@ def plan(args) -> dict:
     }
 
 
-def run_step(name: str, command: list, log_path: Path, env: dict) -> dict:
-    print(f"== {name}: {' '.join(map(str, command))}", flush=True)
+def run_step(name: str, command: list, log_path: Path, env: dict, timeout: float) -> dict:
+    """Run one step with its own time limit; a step past it is killed (its whole process group)
+    and reported as timed out, so the steps after it still run."""
+    print(f"== {name} (limit {timeout:.0f} s): {' '.join(map(str, command))}", flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        completed = subprocess.run(
-            [str(c) for c in command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        process = subprocess.Popen(
+            [str(c) for c in command],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the benchmark's trials die with it
         )
+        try:
+            exit_code, timed_out = process.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            exit_code, timed_out = process.wait(), True
     seconds = time.perf_counter() - started
-    print(f"   exit {completed.returncode} after {seconds:.0f} s (log: {log_path})", flush=True)
-    return {"exit_code": completed.returncode, "seconds": round(seconds, 1), "log": str(log_path)}
+    verdict = f"TIMED OUT after {timeout:.0f} s" if timed_out else f"exit {exit_code} after {seconds:.0f} s"
+    print(f"   {verdict} (log: {log_path})", flush=True)
+    return {
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "seconds": round(seconds, 1),
+        "log": str(log_path),
+    }
 
 
-def random_bert_base(shared_dir: Path, target: Path) -> Path:
-    """bert-base-uncased's exact architecture and tokenizer with random weights (no download)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, BertTokenizerFast
+def random_bert(target: Path, **config_overrides) -> Path:
+    """bert-base-uncased's architecture (with `config_overrides`) and real uncased tokenizer,
+    random weights, saved to `target` (no download). The tokenizer is loaded by AutoTokenizer from
+    the folder: transformers 5's BertTokenizerFast ignores a `vocab_file=` argument and would give
+    a 5-token vocabulary."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    source = shared_dir / "models" / "bert-base-uncased"
-    config = AutoConfig.from_pretrained(source, num_labels=2)
+    config = AutoConfig.from_pretrained(BERT_BASE, num_labels=2, **config_overrides)
+    torch.manual_seed(0)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(target)
-    BertTokenizerFast(vocab_file=str(source / "vocab.txt"), do_lower_case=True).save_pretrained(target)
+    AutoTokenizer.from_pretrained(BERT_BASE, model_max_length=config.max_position_embeddings).save_pretrained(
+        target
+    )
     return target
 
 
@@ -173,11 +215,8 @@ def main(argv=None) -> dict:
     out = args.output_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     sizes = plan(args)
-    glue_dir = args.shared_dir / "data" / "glue"
     env = dict(
         os.environ,
-        AMP_SHARED_DIR=str(args.shared_dir.resolve()),
-        GLUE_DIR=str(glue_dir.resolve()),
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -187,90 +226,127 @@ def main(argv=None) -> dict:
         TOKENIZERS_PARALLELISM="false",
     )
     env.pop("ACCELERATE_MIXED_PRECISION", None)
+    env.pop("GLUE_DIR", None)  # the fine-tunes read the repository's data/glue, named below
     import torch
 
     summary = {
         "dry_run": args.dry_run,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": {"torch": torch.__version__, **library_versions()},
         "steps": {},
     }
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: no CUDA GPU here; use --dry_run to rehearse the plan on a CPU.")
+    timeouts = DRY_RUN_TIMEOUTS if args.dry_run else TIMEOUTS
+
+    def step(name: str, command: list) -> dict:
+        summary["steps"][name] = run_step(name, command, out / f"{name}.log", env, timeouts[name])
+        return summary["steps"][name]
 
     # 1. the GPU-marked tests
-    step = run_step(
-        "gpu tests",
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-m",
-            "gpu",
-            "tests/gpu",
-            "-q",
-            "-rs",
-            f"--junitxml={out / 'pytest.xml'}",
-        ],
-        out / "pytest.log",
-        env,
-    )
-    summary["steps"]["gpu_tests"] = {**step, **pytest_counts(out / "pytest.xml")}
+    pytest_command = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs"]
+    step("gpu_tests", [*pytest_command, f"--junitxml={out / 'pytest.xml'}"])
+    summary["steps"]["gpu_tests"].update(pytest_counts(out / "pytest.xml"))
+    summary["overflow_test"] = test_outcome(out / "pytest.xml", "test_injected_overflow")
+    write_summary(summary, out)
 
     # 2. the paired precision benchmark
-    step = run_step(
-        "benchmark",
-        [
-            sys.executable,
-            "scripts/benchmark_precision.py",
-            *sizes["benchmark"],
-            "--bench_id",
-            "gpu-check",
-            "--output_dir",
-            out / "benchmark",
-        ],
-        out / "benchmark.log",
-        env,
+    # Without dropout: fp16 pads batches to a multiple of 8 and fp32 does not, so dropout would
+    # draw different masks for the same tokens and blur the fp16-vs-fp32 loss comparison.
+    model = random_bert(
+        out / "model", **sizes["model"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )
+    benchmark = [
+        sys.executable,
+        "scripts/benchmark_precision.py",
+        "--config_name",
+        model,
+        *sizes["benchmark"],
+    ]
+    step("benchmark", [*benchmark, "--bench_id", "gpu-check", "--output_dir", out / "benchmark"])
     results_file = out / "benchmark" / "results.json"
-    summary["steps"]["benchmark"] = step
     if results_file.exists():
         summary["benchmark"] = json.loads(results_file.read_text())
+    write_summary(summary, out)
 
     # 3. the recipe, fp32 and fp16, on the same data and seed
-    model = sizes["model"] or random_bert_base(args.shared_dir, out / "bert-base-random")
     for arm, precision in (("fp32", "no"), ("fp16", "fp16")):
         command = [
-            sys.executable,
-            "recipes/bert_glue.py",
-            "--task_name",
-            "mrpc",
-            "--data_dir",
-            glue_dir,
-            "--model_name_or_path",
-            model,
-            *sizes["finetune"],
-            "--logging_steps",
-            1,
-            "--mixed_precision",
-            precision,
-            "--output_dir",
-            out / f"finetune_{arm}",
+            *(sys.executable, "recipes/bert_glue.py", "--task_name", "mrpc", "--data_dir", GLUE_DIR),
+            *("--model_name_or_path", model, *sizes["finetune"], "--logging_steps", 1),
+            *("--mixed_precision", precision, "--output_dir", out / f"finetune_{arm}"),
         ]
-        summary["steps"][f"finetune_{arm}"] = run_step(
-            f"fine-tune {arm}", command, out / f"finetune_{arm}.log", env
-        )
+        step(f"finetune_{arm}", command)
         results = out / f"finetune_{arm}" / "eval_results.json"
         if results.exists():
             summary[f"finetune_{arm}"] = json.loads(results.read_text())
-    summary["loss_agreement"] = loss_agreement(out / "finetune_fp32", out / "finetune_fp16")
-    summary["ok"] = all(s["exit_code"] == 0 for s in summary["steps"].values())
-
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    text = summary_markdown(summary, out)
-    (out / "summary.md").write_text(text)
+        summary["loss_agreement"] = loss_agreement(out / "finetune_fp32", out / "finetune_fp16")
+        write_summary(summary, out)
+    text = write_summary(summary, out)
     print(text)
     return summary
+
+
+def library_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("transformers", "accelerate", "datasets", "evaluate"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def test_outcome(junit_path: Path, name: str) -> str | None:
+    """'passed', 'failed' or 'skipped' for the first test whose name starts with `name`."""
+    if not junit_path.exists():
+        return None
+    for case in ElementTree.parse(junit_path).getroot().iter("testcase"):
+        if case.get("name", "").startswith(name):
+            for outcome in ("failure", "error", "skipped"):
+                if case.find(outcome) is not None:
+                    return {"failure": "failed", "error": "failed"}.get(outcome, outcome)
+            return "passed"
+    return None
+
+
+def checks(summary: dict) -> dict:
+    """ "ok" means the figures hold, not only that every exit code was 0. None: not applicable."""
+    dry_run, steps = summary["dry_run"], summary["steps"]
+    tests = steps.get("gpu_tests", {})
+    arms = (summary.get("benchmark") or {}).get("arms", {})
+    expected = EXPECTED_PRECISION[dry_run]
+    agreement = summary.get("loss_agreement")
+    fp16 = summary.get("finetune_fp16", {})
+    return {
+        "every_step_finished_in_time": bool(steps)
+        and all(s["exit_code"] == 0 and not s["timed_out"] for s in steps.values()),
+        # On the GPU every gpu test must run (none skipped); on a CPU they all skip.
+        "gpu_tests_passed": tests.get("tests", 0) >= 6
+        and tests.get("failures", 1) == 0
+        and tests.get("errors", 1) == 0
+        and (tests.get("skipped") == tests.get("tests") if dry_run else tests.get("skipped") == 0),
+        "overflow_step_skipped": None if dry_run else summary.get("overflow_test") == "passed",
+        "every_arm_ran_its_precision": set(arms) == set(expected)
+        and all(r.get("precision_in_effect") == expected[a] and r.get("fits") for a, r in arms.items()),
+        "fp16_fine_tune_ran_fp16": fp16.get("precision_in_effect") == ("fp32" if dry_run else "fp16"),
+        "fp16_loss_agrees_with_fp32": bool(agreement)
+        and agreement["max_relative_difference"] <= LOSS_TOLERANCE,
+    }
+
+
+def write_summary(summary: dict, out: Path) -> str:
+    """summary.json and summary.md, rewritten after every step: a check killed half-way still
+    reports what it did."""
+    summary["checks"] = checks(summary)
+    summary["ok"] = all(value is not False for value in summary["checks"].values())
+    text = summary_markdown(summary, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out / "summary.md").write_text(text)
+    return text
 
 
 def summary_markdown(summary: dict, out: Path) -> str:
@@ -290,7 +366,17 @@ def summary_markdown(summary: dict, out: Path) -> str:
                 f"ran as {r['precision_in_effect']}, {r['train_samples_per_second']:.1f} samples/s, "
                 f"peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, eval acc {r.get('eval_accuracy', float('nan')):.3f}"
             )
-        lines.append(f"| {name} | {step['exit_code']} | {step['seconds']} | {detail} |")
+        exit_code = "timed out" if step.get("timed_out") else step["exit_code"]
+        lines.append(f"| {name} | {exit_code} | {step['seconds']} | {detail} |")
+    lines += [
+        "",
+        f"**{'ok' if summary['ok'] else 'NOT OK'}**: "
+        + ", ".join(
+            f"{name} {'n/a' if value is None else 'yes' if value else 'NO'}"
+            for name, value in summary["checks"].items()
+        )
+        + f" (loss tolerance {LOSS_TOLERANCE:.0%} per step).",
+    ]
     agreement = summary.get("loss_agreement")
     if agreement:
         lines += [

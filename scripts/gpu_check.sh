@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bash scripts/gpu_check.sh [--dry_run] [--output_dir DIR] [--shared_dir DIR]
+# bash scripts/gpu_check.sh [--dry_run] [--output_dir DIR]
 #
 # One-shot GPU validation (see scripts/gpu_check.py for the plan). A GPU image may lack
 # datasets/evaluate: wheels fetched beforehand by scripts/fetch_gpu_wheels.sh into .whl/ are

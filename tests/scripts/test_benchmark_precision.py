@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import torch
 from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, run
 from wandb_offline import offline_run
 
@@ -145,6 +146,36 @@ def test_bad_arm_is_refused(tmp_path):
     result = run([sys.executable, SCRIPT, "--arms", "fp32,int8"], tmp_path)
     assert result.returncode == 2
     assert "unknown arm(s) ['int8']; choose from fp32, tf32, fp16, bf16." in result.stderr
+
+
+def test_a_crashed_trial_fails_the_benchmark_loudly(tmp_path):
+    """A trial that crashes for another reason than memory is a failure, never "does not fit"."""
+    missing = tmp_path / "no-such-model"
+    command = [sys.executable, SCRIPT, "--model_name_or_path", missing, "--arms", "fp32", "--no_search"]
+    result = run([*command, "--seq_len", 16, "--output_dir", tmp_path / "out"], tmp_path)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()
+    assert any(line.startswith("error: the fp32 arm crashed at batch") for line in last), result.stderr[
+        -2000:
+    ]
+    assert not (tmp_path / "out" / "results.json").exists()  # no table that reads as a result
+
+
+def test_memory_budget_gets_a_cuda_index_torch_accepts(monkeypatch):
+    """accelerate's single-process device is torch.device("cuda") without an index, which
+    torch.cuda.set_per_process_memory_fraction refuses; the benchmark passes the index."""
+    import importlib.util
+
+    from torch.cuda._utils import _get_device_index
+
+    spec = importlib.util.spec_from_file_location("benchmark_precision", SCRIPT)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        _get_device_index(torch.device("cuda"), optional=False)  # what torch does with the bare device
+    assert _get_device_index(benchmark.cuda_index(torch.device("cuda")), optional=False) == 0
+    assert benchmark.cuda_index(torch.device("cuda", 3)) == 3
 
 
 def test_compare_runs_on_two_real_fine_tunes(tmp_path):

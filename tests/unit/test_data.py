@@ -1,4 +1,4 @@
-"""GLUE loading from the real files in ../shared/data/glue, from files in every other task's
+"""GLUE loading from the real files in the repository's data/glue, from files in every other task's
 classic layout, and from a user's own csv/tsv/json/jsonl files."""
 
 import json
@@ -8,7 +8,7 @@ from conftest import GLUE_DIR
 
 from amp_recipes.data import GLUE_TASKS, InputError, get_task, load_glue, load_user_files
 
-# Row counts from ../shared/data/glue/README.md; first/last rows copied from the files by hand.
+# Row counts from data/README.md; first/last rows copied from the files by hand.
 REAL_TASKS = {
     "cola": dict(
         rows={"train": 8551, "validation": 1043},

@@ -33,6 +33,8 @@ def test_mfu_on_a_known_gpu():
     [
         ("NVIDIA H100 PCIe", "fp16", 756.0),
         ("NVIDIA H200", "tf32", 494.7),
+        ("NVIDIA H200 NVL", "bf16", 835.5),  # not the SXM part's 989.4
+        ("NVIDIA H100 NVL", "fp32", 60.0),
         ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
         ("NVIDIA L4", "bf16", 121.0),
         ("Tesla T4", "bf16", None),  # no bf16 units

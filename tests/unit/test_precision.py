@@ -1,15 +1,20 @@
 """What the run reports as its precision, and who chose it."""
 
+import os
+
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
 
 from amp_recipes.data import InputError
+from amp_recipes.hardware import device_facts, hardware_record, tf32_matmul_enabled
 from amp_recipes.precision import (
     check_model_dtype,
     choose_auto_precision,
     describe_precision,
+    effective_precision,
     format_preflight,
     precision_source,
     preflight,
@@ -45,7 +50,7 @@ def test_bf16_on_cpu_uses_autocast(fresh_state, monkeypatch):
 
 
 def test_fp16_path_with_a_grad_scaler_is_fp16(fresh_state):
-    # The CPU fp16 test fixture of ../shared/GUIDE.md: accelerate's real fp16 path.
+    # The CPU fp16 test fixture of the engineering guide: accelerate's real fp16 path.
     accelerator = Accelerator(mixed_precision="fp16", cpu=True)
     accelerator.native_amp = True
     accelerator.scaler = torch.amp.GradScaler("cpu")
@@ -170,3 +175,71 @@ def test_half_precision_weights_are_refused_under_amp(dtype):
         check_model_dtype(model, "fp16")
     check_model_dtype(torch.nn.Linear(4, 4), "fp16")  # fp32 master weights: fine
     check_model_dtype(model, "fp32")  # no AMP: the user's own choice
+    with pytest.raises(InputError):
+        check_model_dtype(model, "fp16", DistributedType.MULTI_GPU)
+    # ZeRO-3's zero.Init builds half-precision module parameters; DeepSpeed's optimizer keeps
+    # the fp32 master copy, so the run must not be refused.
+    check_model_dtype(model, "fp16", DistributedType.DEEPSPEED)
+
+
+CPU_16_CORES = {**CPU_BF16, "cpu_cores": 16}
+
+
+@pytest.mark.parametrize(
+    "threads, processes, warned",
+    [(1, 1, True), (1, 4, True), (1, 16, False), (16, 1, False), (8, 2, False)],
+)
+def test_preflight_warns_when_a_cpu_run_is_pinned_to_one_thread(threads, processes, warned, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+    facts = {**CPU_16_CORES, "torch_threads": threads}
+    warnings, refusals = preflight_checks(facts, "no", "no", None, num_processes=processes)
+    assert refusals == []
+    expected = [
+        "this run computes with 1 thread on a CPU with 16 cores (OMP_NUM_THREADS=1; a bare "
+        "`accelerate launch` sets it to 1): use every core with `accelerate launch --config_file "
+        "accelerate_configs/cpu.yaml ...` or plain `python recipes/...`."
+    ]
+    assert warnings == (expected if warned else [])
+
+
+def test_cpu_facts_count_cores_and_threads():
+    facts = device_facts(torch.device("cpu"))
+    assert facts["cpu_cores"] == len(os.sched_getaffinity(0))
+    assert facts["torch_threads"] == torch.get_num_threads()
+
+
+@pytest.fixture
+def tf32_flags():
+    """Restore torch's TF32 flags (through the new API) after a test that sets them."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    yield matmul
+    matmul.fp32_precision = saved
+
+
+def test_tf32_set_through_the_new_api_is_read_without_error(tf32_flags):
+    tf32_flags.fp32_precision = "tf32"
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        _ = tf32_flags.allow_tf32  # what hardware.py read before: it raises after the new API was used
+    assert tf32_matmul_enabled() is True
+    assert hardware_record(torch.device("cpu"))["tf32_matmul_allowed"] is True
+    tf32_flags.fp32_precision = "ieee"
+    assert tf32_matmul_enabled() is False
+
+
+def test_fp32_with_tf32_matmuls_on_an_ampere_gpu_is_reported_as_tf32(tf32_flags, monkeypatch):
+    """accelerate turns TF32 on for a compiled fp32 run on CUDA: the run must not claim fp32."""
+
+    class CudaRun:  # the attributes effective_precision reads, on a faked CUDA device
+        mixed_precision, device = "no", torch.device("cuda", 0)
+        distributed_type = DistributedType.NO
+
+    capability = {"major": 9}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
+    tf32_flags.allow_tf32 = True  # the legacy setter, as accelerate's state.py does it
+    assert effective_precision(CudaRun()) == "tf32"
+    capability["major"] = 7  # Volta has no TF32
+    assert effective_precision(CudaRun()) == "fp32"
+    tf32_flags.fp32_precision = "ieee"
+    capability["major"] = 9
+    assert effective_precision(CudaRun()) == "fp32"

@@ -1,6 +1,11 @@
 """The repository's docs and configs match the code."""
 
+import hashlib
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
@@ -53,3 +58,78 @@ def test_engine_configs_carry_the_precision_settings_the_readme_promises():
     assert (node.num_machines, node.num_processes, node.rdzv_backend) == (2, 16, "static")
     readme = (REPO / "README.md").read_text()
     assert all(f"`{name}.yaml`" in readme for name in configs)
+
+
+# ----------------------------------------------------------------------------- a clone stands alone
+SHARED_REFERENCES = re.compile(r"\.\./shared|[\"']shared[\"']|AMP_SHARED_DIR")
+
+
+def repository_files() -> list[str]:
+    """Tracked files and untracked ones git does not ignore (what a commit would hold)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    return [name for name in listed.stdout.splitlines() if (REPO / name).is_file()]
+
+
+def test_nothing_refers_to_a_folder_beside_the_checkout():
+    code = [
+        name
+        for name in repository_files()
+        if name.endswith((".py", ".sh", ".ipynb", ".yaml", ".toml", ".txt", ".cfg")) or name == ".ci/run"
+    ]
+    code.remove("tests/unit/test_repo.py")  # this file names what it looks for
+    offenders = [name for name in code if SHARED_REFERENCES.search((REPO / name).read_text(errors="replace"))]
+    assert len(code) > 40 and offenders == []
+    # Tests never read $GLUE_DIR: they name the repository's data/glue themselves.
+    reads = re.compile(r"environ(\.get)?\(\s*[\"']GLUE_DIR|getenv\(\s*[\"']GLUE_DIR")
+    assert [
+        name for name in code if name.startswith("tests/") and reads.search((REPO / name).read_text())
+    ] == []
+    assert "unset GLUE_DIR" in (REPO / ".ci" / "run").read_text()
+
+
+def test_the_shipped_data_is_what_data_readme_says():
+    readme = (REPO / "data" / "README.md").read_text()
+    for path in sorted((REPO / "data" / "glue").glob("*/*.tsv")):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        assert digest in readme, path
+        assert path.stat().st_size < 5 * 2**20, path  # keep the repository lean
+    vocab = (REPO / "data" / "models" / "bert-base-uncased" / "vocab.txt").read_text().splitlines()
+    assert len(vocab) == 30522
+
+
+def test_a_copy_of_the_checkout_with_nothing_beside_it_reads_its_data(tmp_path):
+    """The files a commit holds, copied to a folder with no ../shared and no $GLUE_DIR: the GLUE
+    row-count tests and a real recipe run pass there."""
+    clone = tmp_path / "alone" / "amp-recipes"
+    for name in repository_files():
+        target = clone / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, target)
+    assert not (clone.parent / "shared").exists()
+    env = {k: v for k, v in os.environ.items() if k not in ("GLUE_DIR", "AMP_SHARED_DIR")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/unit/test_data.py",
+            "tests/recipes/test_bert_glue.py::test_plain_python_with_fp16_on_cpu_says_it_ran_fp32",
+        ],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert re.search(r"\b(\d{2,}) passed\b", result.stdout) and " failed" not in result.stdout

@@ -8,6 +8,7 @@ names it accepts `classification` (accuracy + macro F1) and `regression`
 
 import datasets
 import evaluate
+import numpy as np
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import f1_score, matthews_corrcoef
 
@@ -47,6 +48,8 @@ class Glue(evaluate.Metric):
         )
 
     def _compute(self, predictions, references):
+        # evaluate < 0.4.6 under datasets 5 hands over datasets' Column objects, not arrays.
+        predictions, references = np.asarray(predictions), np.asarray(references)
         name = self.config_name
         if name in REGRESSION_CONFIGS:
             return {
