@@ -84,7 +84,7 @@ def plan(args) -> dict:
                 "--search_granularity",
                 256,
                 "--search_max",
-                512,
+                256,  # one trial per arm: the search itself is tested in tests/scripts
             ],
             "model": TINY,
             "finetune": [
