@@ -57,13 +57,16 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         help="Default: whatever `accelerate launch` / its config file says (else fp32). auto: bf16 "
         "where the device has it natively, else fp16 on a Tensor-Core GPU, else fp32.",
     )
-    # GradScaler settings (fp16 only), passed to accelerate as GradScalerKwargs; None = torch's default.
-    amp.add_argument("--fp16_init_scale", type=float, help="Initial loss scale (torch default 65536).")
+    # The GradScaler's settings (fp16 only), passed to accelerate as GradScalerKwargs; the defaults are torch's.
+    amp.add_argument("--fp16_init_scale", type=float, default=65536.0, help="Initial loss scale.")
     amp.add_argument(
-        "--fp16_growth_interval", type=int, help="Steps without overflow before the scale grows (2000)."
+        "--fp16_growth_interval",
+        type=int,
+        default=2000,
+        help="Steps without overflow before the scale grows.",
     )
-    amp.add_argument("--fp16_growth_factor", type=float, help="Scale multiplier on growth (2.0).")
-    amp.add_argument("--fp16_backoff_factor", type=float, help="Scale multiplier on overflow (0.5).")
+    amp.add_argument("--fp16_growth_factor", type=float, default=2.0, help="Scale multiplier on growth.")
+    amp.add_argument("--fp16_backoff_factor", type=float, default=0.5, help="Scale multiplier on overflow.")
     amp.add_argument(
         "--max_consecutive_skipped_steps",
         type=int,
@@ -137,7 +140,7 @@ def check_shared_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         ("fp16_growth_factor", lambda v: v > 1, "greater than 1"),
         ("fp16_backoff_factor", lambda v: 0 < v < 1, "between 0 and 1"),
     ):
-        if getattr(args, name) is not None and not valid(getattr(args, name)):
+        if not valid(getattr(args, name)):
             parser.error(f"--{name} must be {rule}.")
     if args.torch_compile and args.diagnose_overflow:
         parser.error(

@@ -18,16 +18,15 @@ import shutil
 import signal
 from pathlib import Path
 
-from .data import InputError
-from .training import write_json_atomic
+from accelerate.logging import get_logger
+
+from .errors import CheckpointError
+from .records import write_json_atomic
 
 MARKER = "amp_checkpoint.json"  # written last: a folder without it is not a checkpoint
 LATEST = "latest"
 PREFIX = "checkpoint-"
-
-
-class CheckpointError(InputError):
-    """A checkpoint that cannot be written or resumed, said in one sentence."""
+logger = get_logger(__name__)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -57,8 +56,20 @@ def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
 def save_checkpoint(
     accelerator, checkpoints_dir: Path, step: int, record: dict, save_total_limit: int | None
 ) -> Path:
-    """Write checkpoint-<step> atomically (all processes call this; the main one renames)."""
+    """Write checkpoint-<step> atomically (all processes call this; the main one renames).
+
+    accelerate's `save_state` writes the states (model, optimizer, scheduler, GradScaler, RNGs,
+    sampler); `record` (the recipe's position in the run) goes into the completeness marker with
+    the W&B run id, the precision and the GradScaler's state."""
     checkpoints_dir = Path(checkpoints_dir)
+    scaler = getattr(accelerator, "scaler", None)
+    record = {
+        **record,
+        "global_step": step,
+        "tracker_run_id": tracker_run_id(accelerator),
+        "mixed_precision": getattr(accelerator, "mixed_precision", None),
+        "grad_scaler": scaler.state_dict() if scaler is not None else None,
+    }
     final = checkpoints_dir / f"{PREFIX}{step}"
     staging = checkpoints_dir / f".tmp-{PREFIX}{step}"
     if accelerator.is_main_process:
@@ -91,6 +102,7 @@ def save_checkpoint(
         reason = "the disk is full" if disk_full else str(error).splitlines()[0]
         raise CheckpointError(f"Could not write the checkpoint of step {step} ({reason}); {kept}.") from error
     accelerator.wait_for_everyone()
+    logger.info(f"Saved checkpoint {final}", main_process_only=True)
     return final
 
 
@@ -178,7 +190,7 @@ def load_checkpoint(accelerator, checkpoint: Path) -> None:
         ) from error
 
 
-def resume(accelerator, value: str, checkpoints_dir: Path, identity: dict, logger) -> dict:
+def resume(accelerator, value: str, checkpoints_dir: Path, identity: dict) -> dict:
     """Find, check and load a checkpoint (model, optimizer, scheduler, GradScaler, RNG); return its record."""
     path = resolve_checkpoint(value, checkpoints_dir)
     record = read_checkpoint(path, identity)
@@ -220,6 +232,17 @@ class PreemptionHandler:
     def _handle(self, signum, frame):
         self.signal_name = signal.Signals(signum).name
         signal.signal(signum, signal.SIG_DFL)
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a run ended by the signal: 130 for SIGINT (Ctrl-C), else 143 (SIGTERM)."""
+        return 130 if self.signal_name == "SIGINT" else 143
+
+    def stop_message(self, step: int, checkpoint: Path) -> str:
+        return (
+            f"Stopped by {self.signal_name or 'a signal on another process'} after step {step}; "
+            f"checkpoint {checkpoint}. Continue with --resume_from_checkpoint latest."
+        )
 
     def should_stop(self, accelerator, step: int) -> bool:
         """Whether to stop after optimizer step `step`. With several processes every one must

@@ -1,9 +1,9 @@
-"""GLUE task table and loading from the Hub, a `$GLUE_DIR` folder, or the user's own files.
+"""The recipes' data: GLUE (Hub, `$GLUE_DIR` folder) or the user's own files, loaded and checked,
+then tokenised, collated and batched.
 
-Every source is normalised to the Hub's column names (`sentence1`, `question`, ...)
-plus `label`: an int class id in the Hub's label order, or a float for regression.
-That way a model fine-tuned from local TSV files has the same `id2label` as one
-fine-tuned from the Hub.
+Every source is normalised to the Hub's column names (`sentence1`, `question`, ...) plus `label`:
+an int class id in the Hub's label order, or a float for regression. That way a model fine-tuned
+from local TSV files has the same `id2label` as one fine-tuned from the Hub.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import torch
+from transformers import DataCollatorWithPadding
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
-
-class InputError(ValueError):
-    """A problem with the user's input, reported as one sentence before training starts."""
+from .errors import InputError
 
 
 @dataclass(frozen=True)
@@ -228,12 +229,6 @@ def load_glue_from_dir(task: GlueTask, data_dir, cache_dir: str | None = None) -
     )
 
 
-def glue_sources(task_name: str, data_dir=None) -> list[Path] | None:
-    """The local files `load_glue` reads for a task, or None when it reads the Hub."""
-    data_dir = data_dir or os.environ.get("GLUE_DIR")
-    return list(glue_files(get_task(task_name), data_dir).values()) if data_dir else None
-
-
 def load_glue_from_hub(task: GlueTask, cache_dir: str | None = None) -> datasets.DatasetDict:
     try:
         raw = datasets.load_dataset("nyu-mll/glue", task.name, cache_dir=cache_dir)
@@ -398,3 +393,124 @@ def load_text_files(
         raise InputError(f"{train_file} has too few texts ({train.num_rows}) to hold out a validation split.")
     split = train.train_test_split(test_size=held_out, seed=seed)
     return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
+
+
+def first_rows(table: datasets.Dataset, limit: int | None) -> datasets.Dataset:
+    """The first `limit` rows (all of them when `limit` is None): --max_train/eval_samples."""
+    return table.select(range(min(limit, table.num_rows))) if limit else table
+
+
+# ----------------------------------------------------------------------------- tokenisation
+# `datasets.map` caches each result on disk under a fingerprint of its input and of the function
+# with everything it refers to (dill-pickled), so a second identical run reads the cache and any
+# change (another max_seq_length, tokenizer or column) tokenises again. Pickling the tokenizer
+# for that fingerprint costs ~0.2 s per map for MiniLM's: slow, but never stale.
+def check_max_length(tokenizer, max_seq_length: int) -> None:
+    if max_seq_length > tokenizer.model_max_length:
+        raise InputError(
+            f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
+        )
+
+
+def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: int | None = None):
+    """Tokenise every split (one sentence or a pair) with labels. No padding here: the collator
+    pads each batch to its own longest sequence."""
+    check_max_length(tokenizer, max_seq_length)
+    text_columns = tuple(task.text_columns)  # not `task`: datasets would hash its splits too
+
+    def tokenize(batch):
+        encoded = tokenizer(
+            *[batch[column] for column in text_columns], truncation=True, max_length=max_seq_length
+        )
+        encoded["labels"] = batch["label"]
+        return encoded
+
+    return task.splits.map(
+        tokenize,
+        batched=True,
+        remove_columns=task.splits["train"].column_names,
+        num_proc=num_proc,
+        desc="Tokenizing",
+    )
+
+
+def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | None = None):
+    """Language-model inputs: tokenise each text (with its special tokens), concatenate them and
+    cut blocks of max_seq_length tokens, so no compute goes to padding. A split too short for one
+    block keeps what it has as a single shorter block."""
+    check_max_length(tokenizer, max_seq_length)
+
+    def tokenize(batch):
+        return tokenizer(batch["text"], return_special_tokens_mask=True)
+
+    def group(batch):
+        columns = {key: sum(batch[key], []) for key in batch}
+        total = len(columns["input_ids"])
+        usable = (total // max_seq_length) * max_seq_length or total
+        return {
+            key: [values[i : i + max_seq_length] for i in range(0, usable, max_seq_length)]
+            for key, values in columns.items()
+        }
+
+    tokenized = splits.map(
+        tokenize,
+        batched=True,
+        remove_columns=splits["train"].column_names,
+        num_proc=num_proc,
+        desc="Tokenizing",
+    )
+    return tokenized.map(
+        group,
+        batched=True,
+        batch_size=1000,
+        num_proc=num_proc,
+        desc=f"Grouping into blocks of {max_seq_length}",
+    )
+
+
+# ----------------------------------------------------------------------------- batches
+def pad_multiple(mixed_precision: str) -> int | None:
+    """Tensor Cores run fp16/bf16 matmuls fastest on dimensions that are multiples of 8, so
+    reduced-precision batches are padded up to one; fp32 pads to the longest sequence."""
+    return 8 if mixed_precision in ("fp16", "bf16", "fp8") else None
+
+
+def make_collator(tokenizer, mixed_precision: str):
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(mixed_precision))
+
+
+def loader_settings(accelerator, collator, num_workers: int | None) -> dict:
+    """DataLoader keyword arguments shared by a recipe's loaders: on CUDA, pinned memory and (by
+    default) 2 worker processes that build batches while the GPU computes; none elsewhere."""
+    on_cuda = accelerator.device.type == "cuda"
+    num_workers = num_workers if num_workers is not None else 2 * on_cuda
+    return {
+        "collate_fn": collator,
+        "pin_memory": on_cuda,
+        "num_workers": num_workers,
+        "persistent_workers": num_workers > 0,  # no worker restart each epoch
+    }
+
+
+def train_sampler(dataset, batch_size: int, group_by_length: bool, seed: int):
+    """None (the DataLoader shuffles) or a sampler that batches sequences of similar length.
+
+    Grouping cuts padding, hence wasted compute, at the price of less random batches.
+    """
+    if not group_by_length:
+        return None
+    return EpochLengthGroupedSampler(
+        batch_size, lengths=[len(ids) for ids in dataset["input_ids"]], seed=seed
+    )
+
+
+class EpochLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' length-grouped sampler, reseeded from (seed, epoch) like accelerate's seedable
+    sampler, so a run resumed mid-epoch sees the same batches as an uninterrupted one."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        super().__init__(batch_size, lengths=lengths, generator=torch.Generator().manual_seed(seed))
+        self.seed = seed
+
+    def set_epoch(self, epoch: int) -> None:  # accelerate's DataLoaderShard calls it each epoch
+        self.generator.manual_seed(self.seed + epoch)

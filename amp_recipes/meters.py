@@ -7,6 +7,7 @@ synchronisation and breaks the asynchronous pipeline mixed precision relies on.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
@@ -23,10 +24,12 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class ThroughputMeter:
-    """Samples, tokens and padding over a window of training steps."""
+    """Samples, tokens and padding over a window of training steps (`read` at each log line), and
+    over the whole run (`run_rates`, the sum of the windows)."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.run_samples, self.run_tokens, self.run_seconds = 0, 0, 0.0
         self.epoch_padded_tokens = 0  # over the epoch, for its padding fraction
         self.epoch_real_tokens = torch.zeros((), dtype=torch.long, device=device)
         self.reset()
@@ -58,9 +61,14 @@ class ThroughputMeter:
         self.epoch_real_tokens.zero_()
         return 1.0 - real / padded if padded else 0.0
 
-    def exclude(self, seconds: float) -> None:
-        """Leave time spent elsewhere (evaluation) out of the current window."""
-        self.started += seconds
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the time spent in this block (evaluation) out of the training throughput."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - started
 
     def read(self, accelerator=None) -> dict:
         """Rates over the window since the last read (summed over processes), then start a new window."""
@@ -75,11 +83,22 @@ class ThroughputMeter:
         real = int(real_tokens.item())
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.reset()
+        self.run_samples, self.run_tokens, self.run_seconds = (
+            self.run_samples + samples,
+            self.run_tokens + real,
+            self.run_seconds + elapsed,
+        )
         return {
             "samples_per_second": samples / elapsed,
             "tokens_per_second": real / elapsed,
             "padding_fraction": 1.0 - real / padded if padded else 0.0,
-            "samples": samples,
-            "tokens": real,
-            "seconds": elapsed,
+        }
+
+    def run_rates(self) -> dict:
+        """Training time and throughput over every window read so far (evaluation left out)."""
+        seconds = max(self.run_seconds, 1e-9)
+        return {
+            "train_runtime_seconds": self.run_seconds,
+            "train_samples_per_second": self.run_samples / seconds,
+            "train_tokens_per_second": self.run_tokens / seconds,
         }

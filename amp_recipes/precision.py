@@ -3,8 +3,8 @@
 accelerate takes `mixed_precision` from the script's argument, else from
 `ACCELERATE_MIXED_PRECISION` (set by `accelerate launch --mixed_precision` or
 its config file), else "no". It then silently runs fp32 when fp16 is asked on
-a CPU. This module reports what actually happens, so logs never claim fp16
-for an fp32 run.
+a CPU. This module resolves `--mixed_precision auto`, runs the preflight (launch, device and
+precision checks) and reports what actually happens, so logs never claim fp16 for an fp32 run.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from .data import InputError
+from .errors import InputError
 from .hardware import device_facts, tf32_matmul_enabled
 
 # Engines that own precision themselves (their own loss scaler / casting) rather than torch autocast.
@@ -91,6 +91,38 @@ def choose_auto_precision(facts: dict) -> tuple[str, str]:
             return "bf16", f"this CPU ({name}) has native bf16 (AVX512-BF16/AMX)"
         return "no", f"this CPU ({name}) has no native bf16 (emulated bf16 is slower than fp32)"
     return "no", f"no mixed-precision rule for a {facts['device_type']} device"
+
+
+def resolve_mixed_precision(flag: str | None) -> tuple[str | None, str | None]:
+    """`--mixed_precision` as accelerate takes it: `auto` becomes this device's choice (with the
+    reason, for the preflight block); anything else, None included, passes through."""
+    if flag != "auto":
+        return flag, None
+    return choose_auto_precision(device_facts())
+
+
+def check_launch(accelerator) -> None:
+    """Refuse launches that accelerate would quietly run another way.
+
+    - On a machine without GPUs, `accelerate launch --multi_gpu --num_processes N` starts N
+      independent single-process runs (each training on all the data, all writing the same
+      files) unless ACCELERATE_USE_CPU=1 asks for a gloo process group.
+    - accelerate turns on FSDP / DeepSpeed only over GPU (or other accelerator) process groups:
+      asked on a CPU, it trains with plain DDP instead.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        raise InputError(
+            f"{launched} processes were launched but accelerate sees {accelerator.num_processes}: on a machine "
+            "without GPUs set ACCELERATE_USE_CPU=1 for multi-process CPU training (gloo)."
+        )
+    for engine in ("FSDP", "DEEPSPEED"):
+        asked = os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true"
+        if asked and accelerator.distributed_type.value != engine:
+            raise InputError(
+                f"{engine} was requested but accelerate set up {accelerator.distributed_type.value} on "
+                f"{accelerator.device.type}: accelerate enables {engine} only on GPUs; use a GPU machine or drop it."
+            )
 
 
 def preflight_checks(
@@ -170,9 +202,11 @@ def check_model_dtype(
 
 
 def preflight(accelerator: Accelerator, flag: str | None, auto_reason: str | None = None, facts=None) -> dict:
-    """Check the precision against the device, then return the report for the log and trackers.
+    """Check the launch, and the precision against the device; return the report for the log,
+    the trackers and eval_results.json (device facts, precision in effect and who chose it).
 
     Raises InputError for a refusal; warnings are returned under "preflight_warnings"."""
+    check_launch(accelerator)
     facts = facts or device_facts(accelerator.device)
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
     in_effect = effective_precision(accelerator)
@@ -181,12 +215,24 @@ def preflight(accelerator: Accelerator, flag: str | None, auto_reason: str | Non
     )
     if refusals:
         raise InputError(" ".join(refusals))
+    scaler_settings = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler else {}
+    if scaler_settings and in_effect != "fp16":
+        warnings.append(
+            f"The --fp16_* GradScaler flags ({', '.join(scaler_settings)}) have no effect: this run is not fp16."
+        )
     report = {**describe_precision(accelerator, flag), **facts, "num_processes": accelerator.num_processes}
     report.pop("precision_note", None)  # the preflight warning says it, with the fix
     if auto_reason:
         report["mixed_precision_auto_reason"] = auto_reason
     report["preflight_warnings"] = warnings
     return report
+
+
+def log_preflight(report: dict, logger) -> None:
+    """The preflight block, then each of its warnings as a warning (main process only)."""
+    logger.info(format_preflight(report), main_process_only=True)
+    for warning in report["preflight_warnings"]:
+        logger.warning(warning, main_process_only=True)
 
 
 def format_preflight(report: dict) -> str:

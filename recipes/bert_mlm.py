@@ -7,44 +7,33 @@ Texts come one per line (.txt) or from a column of a .csv/.tsv/.json/.jsonl file
 tokenised, concatenated and cut into blocks of --max_seq_length tokens; 15% of the tokens are
 masked (BERT's 80/10/10 rule). The run reports the masked-LM loss and perplexity on a held-out
 split and saves a model that `recipes/bert_glue.py --model_name_or_path <output_dir>` fine-tunes.
-Precision, tracking, checkpointing and fp16 telemetry work exactly as in bert_glue.py.
+Precision, tracking, checkpointing and fp16 telemetry work exactly as in bert_glue.py; every
+precision-specific line is marked `# AMP:` (`grep -n "AMP:" recipes/bert_mlm.py` lists them).
 """
 
 import argparse
 import logging
 import math
 import sys
-import time
-from functools import partial
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, TorchDynamoPlugin, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, get_scheduler
 
 from amp_recipes.arguments import add_shared_args, add_worker_args, check_shared_args
-from amp_recipes.checkpoint import PreemptionHandler, resume
-from amp_recipes.data import InputError, load_text_files
+from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
+from amp_recipes.data import load_text_files, loader_settings, pad_multiple, tokenize_and_group
+from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
-from amp_recipes.precision import check_model_dtype
-from amp_recipes.run import (
-    accelerator_settings,
-    clip_and_measure,
-    guard,
-    init_trackers,
-    log_training,
-    make_optimizer,
-    report_step,
-    save_run_checkpoint,
-    start_run,
-    stop_if_preempted,
-)
-from amp_recipes.telemetry import ActivationMonitor, StepTelemetry, TrainingDiverged
-from amp_recipes.training import RunRecord, loader_settings, pad_multiple, tokenize_and_group
+from amp_recipes.optim import make_optimizer, training_schedule
+from amp_recipes.precision import check_model_dtype, log_preflight, preflight, resolve_mixed_precision
+from amp_recipes.records import RunRecord, init_trackers
+from amp_recipes.telemetry import ActivationMonitor, StepTelemetry
 
 logger = get_logger(__name__)
 
@@ -86,6 +75,48 @@ def parse_args(argv=None):
     return args
 
 
+# ----------------------------------------------------------------------------- data
+def load_data(args, tokenizer, accelerator):
+    """Blocks of --max_seq_length tokens from your texts, and their DataLoaders."""
+    with accelerator.main_process_first():  # the main process loads and tokenises, the others read its cache
+        splits = load_text_files(
+            args.train_file,
+            args.validation_file,
+            args.text_column,
+            args.validation_split_percentage,
+            args.seed,
+        )
+        blocks = tokenize_and_group(splits, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+    # Masks BERT-style (80% [MASK], 10% random, 10% kept) as batches are built.
+    # AMP: fp16/bf16 batches (a last, shorter block) are padded to a multiple of 8, for Tensor Cores.
+    collator = DataCollatorForLanguageModeling(
+        tokenizer,
+        mlm_probability=args.mlm_probability,
+        pad_to_multiple_of=pad_multiple(accelerator.mixed_precision),
+    )
+    loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)
+    train_dataloader = DataLoader(
+        blocks["train"],
+        batch_size=args.per_device_train_batch_size,
+        shuffle=True,
+        # Its own generator: starting an epoch's iterator then draws nothing from the global RNG
+        # (dropout), so a run resumed mid-epoch continues the same random stream.
+        generator=torch.Generator().manual_seed(args.seed),
+        **loader_kwargs,
+    )
+    # Evaluation masks are drawn in this process (no workers), where evaluate() seeds them: worker
+    # processes would draw from their own RNGs, and two evaluations of the same weights would differ.
+    eval_kwargs = {**loader_kwargs, "num_workers": 0, "persistent_workers": False}
+    eval_dataloader = DataLoader(
+        blocks["validation"], batch_size=args.per_device_eval_batch_size, **eval_kwargs
+    )
+    logger.info(
+        f"mlm: {blocks['train'].num_rows} training and {blocks['validation'].num_rows} held-out blocks "
+        f"of {args.max_seq_length} tokens"
+    )
+    return train_dataloader, eval_dataloader
+
+
 # ----------------------------------------------------------------------------- evaluate
 def evaluate(model, dataloader, accelerator, seed):
     """Masked-LM loss (mean over masked tokens) and perplexity on the held-out blocks. The masks
@@ -112,201 +143,197 @@ def main(argv=None):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
     # ------------------------------------------------------------------------- accelerator
+    # AMP: `auto` becomes bf16 where the device has it natively, else fp16 on a Tensor-Core GPU, else fp32.
+    mixed_precision, auto_reason = resolve_mixed_precision(args.mixed_precision)
     accelerator = Accelerator(
-        # --mixed_precision (auto resolved), --fp16_* GradScaler, --torch_compile, seeded shuffling
-        **accelerator_settings(args),
+        mixed_precision=mixed_precision,  # AMP: fp16/bf16/no; None: `accelerate launch` or its config decides
+        kwargs_handlers=[  # AMP: fp16's loss scaling: accelerate creates the GradScaler with these settings
+            GradScalerKwargs(
+                init_scale=args.fp16_init_scale,
+                growth_factor=args.fp16_growth_factor,
+                backoff_factor=args.fp16_backoff_factor,
+                growth_interval=args.fp16_growth_interval,
+            )
+        ],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=None if args.report_to == "none" else args.report_to,
+        dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend) if args.torch_compile else None,
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True,  # shuffling seeded by (seed, epoch): a resume sees the same batches
+            non_blocking=torch.cuda.is_available(),  # copies to the GPU from pinned memory, without a stall
+        ),
+        log_with=None if args.report_to == "none" else args.report_to,  # W&B / TensorBoard
         project_dir=args.output_dir,
     )
-    precision = start_run(accelerator, args, logger)  # preflight block, warnings, seed
+    # AMP: the precision really in effect and who chose it; refuses what cannot work (bf16 on a
+    # pre-Ampere GPU, an unconnected multi-process launch), warns about what silently misbehaves.
+    precision = preflight(accelerator, mixed_precision, auto_reason)
+    log_preflight(precision, logger)
+    precision_in_effect = precision["precision_in_effect"]
+    set_seed(args.seed)
 
     # ------------------------------------------------------------------------- data
-    try:
+    with model_load_errors(args.model_name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    except OSError as error:
-        raise InputError(
-            f"Could not load model {args.model_name_or_path!r} ({str(error).splitlines()[0]}). Offline? Pass a local "
-            "directory holding config.json, the weights and the tokenizer, and set HF_HUB_OFFLINE=1."
-        ) from error
-    data_started = time.perf_counter()  # load + tokenise: a second run reads datasets' cache
-    splits = load_text_files(
-        args.train_file, args.validation_file, args.text_column, args.validation_split_percentage, args.seed
-    )
-    with accelerator.main_process_first():
-        blocks = tokenize_and_group(splits, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
-    data_seconds = time.perf_counter() - data_started
-    # Masks BERT-style (80% [MASK], 10% random, 10% kept); pads the last short block to a multiple of 8.
-    collator = DataCollatorForLanguageModeling(
-        tokenizer,
-        mlm_probability=args.mlm_probability,
-        pad_to_multiple_of=pad_multiple(accelerator.mixed_precision),
-    )
-    loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)
-    train_dataloader = DataLoader(
-        blocks["train"],
-        batch_size=args.per_device_train_batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(args.seed),
-        **loader_kwargs,
-    )
-    # Evaluation masks are drawn in this process (no workers), where evaluate() seeds them: worker
-    # processes would draw from their own RNGs, and two evaluations of the same weights would differ.
-    eval_dataloader = DataLoader(
-        blocks["validation"],
-        batch_size=args.per_device_eval_batch_size,
-        **{**loader_kwargs, "num_workers": 0, "persistent_workers": False},
-    )
+    train_dataloader, eval_dataloader = load_data(args, tokenizer, accelerator)
 
     # ------------------------------------------------------------------------- model
-    try:  # float32 whatever dtype the checkpoint was saved in: AMP needs fp32 master weights
+    with model_load_errors(args.model_name_or_path):
+        # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts per operation.
         model = AutoModelForMaskedLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-    except OSError as error:
-        raise InputError(f"Could not load model {args.model_name_or_path!r}: {error}") from error
-    check_model_dtype(model, precision["precision_in_effect"], accelerator.distributed_type)
+    config = model.config
+    check_model_dtype(model, precision_in_effect, accelerator.distributed_type)  # AMP: no .half() weights
 
     # ------------------------------------------------------------------------- optimizer
-    optimizer = make_optimizer(model, args, accelerator)  # fused AdamW where torch has it
-
-    # Sized before prepare(), so the scheduler is prepared with the model and optimizer (under
-    # DeepSpeed the engine then owns it, and save_state keeps it): each process will see
-    # ceil(batches / processes) batches. accelerate's prepared scheduler steps once per process for
-    # every optimizer step; DeepSpeed's engine steps its own once per optimizer step.
-    per_process_batches = math.ceil(len(train_dataloader) / accelerator.num_processes)
-    steps_per_epoch = math.ceil(per_process_batches / args.gradient_accumulation_steps)
-    max_train_steps = args.max_train_steps or steps_per_epoch * args.num_train_epochs
-    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    scheduler_steps = max_train_steps * (1 if deepspeed else accelerator.num_processes)
+    optimizer = make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
+    schedule = training_schedule(len(train_dataloader), accelerator, args)  # optimizer steps per process
     lr_scheduler = get_scheduler(
-        "linear", optimizer, int(args.warmup_ratio * scheduler_steps), scheduler_steps
+        "linear", optimizer, int(args.warmup_ratio * schedule.scheduler_steps), schedule.scheduler_steps
     )
 
     # ------------------------------------------------------------------------- prepare
+    # AMP: prepare() wraps the model's forward in autocast (fp16/bf16), so no line below calls it,
+    # and the optimizer, so that under fp16 its step goes through the GradScaler.
     model, optimizer, train_dataloader, lr_scheduler, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler, eval_dataloader
     )
 
     # ------------------------------------------------------------------------- resume
     checkpoints_dir = Path(args.output_dir) / "checkpoints"
-    config = accelerator.unwrap_model(model).config
-    identity = {
-        "objective": "mlm",
-        "model": f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}",
-        "seed": args.seed,
-    }
-    position = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "tracker_run_id": None}
-    if args.resume_from_checkpoint:
-        position = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, identity, logger)
+    model_shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"
+    run_kind = {"objective": "mlm", "model": model_shape, "seed": args.seed}
+    resumed = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "tracker_run_id": None}
+    if args.resume_from_checkpoint:  # model, optimizer, scheduler, GradScaler and RNG states
+        resumed = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, run_kind)
+    # AMP: loss scale, skipped steps, grad norm, non-finite checks; created after a resume has
+    # restored the GradScaler, so it starts from the checkpoint's loss scale.
     telemetry = StepTelemetry(accelerator, model, args.max_consecutive_skipped_steps, args.diagnose_overflow)
-    telemetry.load_state_dict(position.get("telemetry", {}))
-    activations = ActivationMonitor(
-        accelerator.unwrap_model(model), 0 if args.torch_compile else args.activation_monitor_interval
-    )
-    run_config = {
-        **vars(args),
+    telemetry.load_state_dict(resumed.get("telemetry", {}))
+    # AMP: each module's max |activation| / 65504; its hooks would make a compiled model recompile.
+    monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
+    activations = ActivationMonitor(accelerator.unwrap_model(model), monitor_interval)
+    run_facts = {  # for the trackers' config and eval_results.json
         **precision,
-        "max_train_steps": max_train_steps,
-        "train_blocks": blocks["train"].num_rows,
+        "model_type": config.model_type,
+        "distributed_type": accelerator.distributed_type.value,
+        "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
+        # SDPA (fused attention kernels) is transformers' default where the model has it.
+        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,
+        "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
     }
-    init_trackers(accelerator, args, run_config, position["tracker_run_id"])
-    record = RunRecord(
-        args.output_dir,
-        accelerator.is_main_process,
-        position["global_step"] if args.resume_from_checkpoint else None,
-    )
-    logger.info(
-        f"mlm: {blocks['train'].num_rows} blocks of {args.max_seq_length} tokens, {num_epochs} epoch(s), "
-        f"{max_train_steps} optimizer steps; {blocks['validation'].num_rows} held-out blocks",
-        main_process_only=True,
-    )
+    run_config = {**vars(args), **run_facts, **schedule._asdict()}
+    init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
+    record = RunRecord(args.output_dir, accelerator.is_main_process, resumed["global_step"] or None)
+    logger.info(f"Run config: {run_config}")
 
     # ------------------------------------------------------------------------- train
-    def run_evaluation(step):
-        started = time.perf_counter()
-        scores = evaluate(model, eval_dataloader, accelerator, args.seed)
-        results = {f"eval_{name}": value for name, value in scores.items()}
-        logger.info(f"step {step}: {results}", main_process_only=True)
+    meter = ThroughputMeter(accelerator.device)
+
+    def run_evaluation(step, epoch):  # every eval split, logged; its time stays out of the throughput
+        with meter.paused():
+            scores = evaluate(model, eval_dataloader, accelerator, args.seed)
+        results = {"epoch": epoch, **{f"eval_{name}": value for name, value in scores.items()}}
+        logger.info(f"step {step}: {results}")
         accelerator.log(results, step=step)
         record.log(results, step)
-        meter.exclude(time.perf_counter() - started)  # throughput counts training time only
         return results
 
-    # checkpoint(step, epoch, batches_in_epoch): crash-safe, with what a resume needs
-    checkpoint = partial(
-        save_run_checkpoint, accelerator, telemetry, args, identity, precision["precision_in_effect"]
-    )
+    def save(step, epoch, batches_in_epoch):  # crash-safe: written aside, renamed when complete
+        telemetry.check_finite(step, precision_in_effect)  # AMP: never saves weights spoiled by inf/NaN
+        position = {**run_kind, "epoch": epoch, "batches_in_epoch": batches_in_epoch}
+        position["telemetry"] = telemetry.state_dict()  # AMP: skipped-step counts (the GradScaler's own)
+        return save_checkpoint(accelerator, checkpoints_dir, step, position, args.save_total_limit)
 
-    completed_steps, results, train_seconds, train_tokens = position["global_step"], {}, 0.0, 0
-    meter = ThroughputMeter(accelerator.device)
-    if args.eval_only:
-        results = run_evaluation(completed_steps)
-        record.write_results({**results, **precision, "model_name_or_path": args.model_name_or_path})
+    completed_steps, results = resumed["global_step"], {}
+    checkpoint_every = int(args.checkpointing_steps) if str(args.checkpointing_steps).isdigit() else None
+    max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still measured
+    if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
+        results = {**run_evaluation(completed_steps, resumed["epoch"]), **run_facts}
+        record.write_results({**results, "model_name_or_path": args.model_name_or_path})
         accelerator.end_training()
         return results
-    preemption = PreemptionHandler()
+    preemption = PreemptionHandler()  # SIGTERM/SIGINT: stop after the current step, with a checkpoint
     progress = tqdm(
-        range(max_train_steps),
-        initial=completed_steps,
-        disable=not accelerator.is_local_main_process,
-        desc="MLM",
+        total=schedule.max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process
     )
     model.train()
-    for epoch in range(position["epoch"], num_epochs):
-        train_dataloader.set_epoch(epoch)
-        skipped = position["batches_in_epoch"] if epoch == position["epoch"] else 0
-        batches = accelerator.skip_first_batches(train_dataloader, skipped) if skipped else train_dataloader
-        for batches_in_epoch, batch in enumerate(batches, start=skipped + 1):
+    for epoch in range(resumed["epoch"], schedule.num_epochs):
+        train_dataloader.set_epoch(epoch)  # the epoch's shuffle depends on (seed, epoch) only
+        resume_batches = resumed["batches_in_epoch"] if epoch == resumed["epoch"] else 0
+        batches = train_dataloader  # a resumed run skips the batches its checkpoint had seen:
+        if resume_batches:
+            batches = accelerator.skip_first_batches(train_dataloader, resume_batches)
+        for batches_in_epoch, batch in enumerate(batches, start=resume_batches + 1):
             grad_norm = None
             with accelerator.accumulate(model), telemetry.watch():
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = clip_and_measure(accelerator, model, args.max_grad_norm)
-                optimizer.step()
-                step_skipped = telemetry.step_skipped()  # fp16 overflow, fused optimizers included
-                if not step_skipped:
+                loss = model(**batch).loss  # AMP: the forward runs under autocast (prepare); the loss is fp32
+                accelerator.backward(loss)  # AMP: fp16: scales the loss by the GradScaler's scale first
+                if accelerator.sync_gradients:  # AMP: unscales fp16 gradients, then clips (0: measures only)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                optimizer.step()  # AMP: fp16: the GradScaler skips the step when a gradient is inf/NaN
+                # AMP: a skipped step must not advance the schedule. accelerate holds the scheduler back then,
+                # but misses a fused optimizer's skips; the telemetry reads the GradScaler's scale instead.
+                overflow = telemetry.after_optimizer_step()
+                if not overflow:
                     lr_scheduler.step()
                 optimizer.zero_grad()
-            telemetry.observe(loss, grad_norm)
+            telemetry.observe(loss, grad_norm)  # stays on the device: no per-step synchronisation
             meter.update(batch)
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
             progress.update(1)
-            save = partial(checkpoint, completed_steps, epoch, batches_in_epoch)
-            where = report_step(
-                telemetry, completed_steps, batch, step_skipped, args.diagnose_overflow, logger
-            )
-            guard(telemetry, completed_steps, where, save if args.checkpointing_steps else None)
-            if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                throughput = log_training(
-                    accelerator, telemetry, meter, activations, lr_scheduler,
-                    completed_steps, completed_steps / steps_per_epoch, precision["precision_in_effect"],
-                    progress, record,
-                )  # fmt: skip
-                train_seconds += throughput["seconds"]
-                train_tokens += throughput["tokens"]
+            # AMP: name the first non-finite module of a skipped fp16 step (--diagnose_overflow: of any step).
+            nonfinite_at = telemetry.first_nonfinite(batch) if overflow or args.diagnose_overflow else None
+            if overflow or nonfinite_at:
+                logger.warning(telemetry.nonfinite_message(completed_steps, overflow, nonfinite_at))
+            if telemetry.too_many_skips():  # AMP: no loss scale helps any more; the weights are unchanged
+                if args.checkpointing_steps:
+                    save(completed_steps, epoch, batches_in_epoch)
+                raise TrainingDiverged(telemetry.stop_message(completed_steps, nonfinite_at))
+            if completed_steps % args.logging_steps == 0 or completed_steps == schedule.max_train_steps:
+                logs = {
+                    **telemetry.read(),  # AMP: loss, grad_norm; fp16: loss_scale, skipped_steps (one host sync)
+                    "learning_rate": lr_scheduler.get_last_lr()[0],
+                    "epoch": completed_steps / schedule.steps_per_epoch,
+                    **meter.read(accelerator),  # samples/s, tokens/s, padding since the last log line
+                    **{f"fp16_range/{name}": ratio for name, ratio in activations.read().items()},  # AMP
+                }
+                telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: bf16/fp32 stop on inf/NaN
+                progress.set_postfix(
+                    {k: logs[k] for k in ("loss", "loss_scale", "skipped_steps") if k in logs}
+                )
+                accelerator.log(logs, step=completed_steps)
+                record.log(logs, completed_steps)
             if args.eval_steps and completed_steps % args.eval_steps == 0:
-                results = run_evaluation(completed_steps)
-            if (
-                args.checkpointing_steps not in (None, "epoch")
-                and completed_steps % int(args.checkpointing_steps) == 0
-            ):
-                save()
-            stop_if_preempted(preemption, accelerator, completed_steps, save, logger)
-            if completed_steps >= max_train_steps:
+                results = run_evaluation(completed_steps, epoch + 1)
+            if checkpoint_every and completed_steps % checkpoint_every == 0:
+                save(completed_steps, epoch, batches_in_epoch)
+            if preemption.should_stop(accelerator, completed_steps):  # a SIGTERM/SIGINT arrived
+                path = save(completed_steps, epoch, batches_in_epoch)
+                logger.warning(preemption.stop_message(completed_steps, path))
+                preemption.restore()
+                accelerator.end_training()
+                sys.exit(preemption.exit_code)
+            if completed_steps >= schedule.max_train_steps:
                 break
-        results = run_evaluation(completed_steps)
+        padding = meter.epoch_padding_fraction(accelerator)  # --group_by_length lowers it
+        logger.info(
+            f"epoch {epoch + 1}: {padding:.1%} of the batches' tokens were padding", main_process_only=True
+        )
+        accelerator.log({"epoch_padding_fraction": padding}, step=completed_steps)
+        record.log({"epoch_padding_fraction": padding}, completed_steps)
+        if not (args.eval_steps and completed_steps % args.eval_steps == 0):  # unless just evaluated
+            results = run_evaluation(completed_steps, epoch + 1)
         if args.checkpointing_steps == "epoch":
-            checkpoint(completed_steps, epoch + 1, 0)
+            save(completed_steps, epoch + 1, 0)
     progress.close()
     preemption.restore()
     activations.remove()
-    telemetry.check_finite(completed_steps, precision["precision_in_effect"])
+    telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: never saves spoiled weights
 
     # ------------------------------------------------------------------------- save
     accelerator.wait_for_everyone()
+    # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
     accelerator.unwrap_model(model).save_pretrained(
         args.output_dir,
         is_main_process=accelerator.is_main_process,
@@ -315,19 +342,18 @@ def main(argv=None):
     )
     summary = {
         **results,
-        **precision,
-        **telemetry.summary(),
+        **run_facts,
         "model_name_or_path": args.model_name_or_path,
         "train_steps": completed_steps,
-        "train_tokens_per_second": train_tokens / max(train_seconds, 1e-9),
+        **meter.run_rates(),  # training runtime, samples/s and tokens/s (evaluation left out)
         "peak_memory_bytes": peak_memory_bytes(accelerator.device),
-        "data_preparation_seconds": data_seconds,
-        "fp16_range": activations.read(),
+        **telemetry.summary(),  # AMP: fp16 skipped steps and final loss scale; non-finite losses
+        "fp16_range": activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
     }
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         record.write_results(summary)  # written last: its presence means the run finished
-    logger.info(f"Saved model and eval_results.json to {args.output_dir}: {results}", main_process_only=True)
+    logger.info(f"Saved model and eval_results.json to {args.output_dir}: {summary}")
     accelerator.end_training()
     return summary
 

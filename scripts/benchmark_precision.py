@@ -177,8 +177,8 @@ def run_worker(spec_path: str) -> None:
 
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
     from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
+    from amp_recipes.optim import make_optimizer
     from amp_recipes.precision import describe_precision
-    from amp_recipes.run import make_optimizer
 
     mixed_precision, tf32 = ARMS[arm]
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -196,7 +196,7 @@ def run_worker(spec_path: str) -> None:
     batches = make_batches(config, model.config, batch_size, steps)
     # The recipes' own optimizer (fused AdamW where torch has it, no decay on biases and norms).
     recipe_flags = argparse.Namespace(optim="auto", weight_decay=0.01, learning_rate=config["learning_rate"])
-    optimizer = make_optimizer(model, recipe_flags, accelerator)
+    optimizer = make_optimizer(model, recipe_flags, accelerator.device)
     model, optimizer = accelerator.prepare(model, optimizer)
     result = {
         "arm": arm,
@@ -559,7 +559,7 @@ def main(argv=None) -> dict:
             "error: run the benchmark as one process (each arm starts its own); drop --num_processes/--multi_gpu."
         )
     from amp_recipes.hardware import hardware_record
-    from amp_recipes.training import write_json_atomic
+    from amp_recipes.records import write_json_atomic
 
     output_dir = Path(args.output_dir)
     work_dir = output_dir / "trials"

@@ -107,8 +107,8 @@ def bare_worker(spec: dict) -> dict:
     from torch.utils.data import DataLoader
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-    from amp_recipes.data import load_glue
-    from amp_recipes.training import make_collator, optimizer_grouped_parameters, tokenize_splits
+    from amp_recipes.data import load_glue, make_collator, tokenize_splits
+    from amp_recipes.optim import optimizer_grouped_parameters
 
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     set_seed(spec["seed"])
@@ -175,8 +175,8 @@ def trainer_worker(spec: dict, pad_to_max_length: bool) -> dict:
         TrainingArguments,
     )
 
-    from amp_recipes.data import load_glue
-    from amp_recipes.training import load_metric, tokenize_splits
+    from amp_recipes.data import load_glue, tokenize_splits
+    from amp_recipes.metrics import load_metric
 
     task = load_glue(spec["task_name"], spec["data_dir"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_name_or_path"])
@@ -184,7 +184,7 @@ def trainer_worker(spec: dict, pad_to_max_length: bool) -> dict:
     model = AutoModelForSequenceClassification.from_pretrained(
         spec["model_name_or_path"], num_labels=task.num_labels, dtype=torch.float32
     )
-    metric = load_metric(task.metric_config)
+    metric = load_metric("glue", task.metric_config)
 
     def compute_metrics(prediction):
         return metric.compute(
@@ -281,7 +281,6 @@ def run_arm(args, arm: str, work_dir: Path) -> dict:
             "train_seconds": out["train_runtime_seconds"],
             "train_tokens": out["train_tokens_per_second"] * out["train_runtime_seconds"],
             "peak_rss_bytes": out["peak_memory_bytes"],
-            "data_preparation_seconds": out["data_preparation_seconds"],
             **{k: out[k] for k in ("eval_accuracy", "eval_f1") if k in out and not args.max_train_steps},
         }
         log = [json.loads(line) for line in (work_dir / "log_history.jsonl").read_text().splitlines()]

@@ -104,14 +104,36 @@ def log_history(output_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "log_history.jsonl").read_text().splitlines()]
 
 
-def load_recipe(name: str):
-    """A recipe file imported as a module, so tests can patch it and call its main()."""
+def load_module(path: Path, name: str | None = None):
+    """A script (recipe, benchmark, GPU check) imported from its file, so tests can patch it and call it."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_recipe(name: str):
+    return load_module(RECIPES / f"{name}.py", f"recipe_{name}")
+
+
+def glue_flags(**flags) -> list[str]:
+    """The flags of a quick bert_glue.py run: real MRPC files, the tiny BERT, 16 eval samples,
+    batches of 8. Keyword arguments add or override flags (True: a bare switch; None: left out)."""
+    merged = {
+        "task_name": "mrpc",
+        "data_dir": GLUE_DIR,
+        "model_name_or_path": TINY_BERT,
+        "max_eval_samples": 16,
+        "per_device_train_batch_size": 8,
+        **flags,
+    }
+    argv = []
+    for name, value in merged.items():
+        if value is not None and value is not False:
+            argv += [f"--{name}"] + ([] if value is True else [str(value)])
+    return argv
 
 
 def reset_accelerate():

@@ -88,7 +88,7 @@ def test_injected_overflow_with_the_recipes_fused_adamw_is_seen_by_telemetry():
         inputs = torch.randn(8, 16, device=accelerator.device)
         accelerator.backward(model(inputs).float().pow(2).mean() * scale_loss)
         optimizer.step()
-        skipped = telemetry.step_skipped()
+        skipped = telemetry.after_optimizer_step()
         if not skipped:
             scheduler.step()
         optimizer.zero_grad()

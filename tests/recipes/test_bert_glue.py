@@ -5,7 +5,6 @@ Re-record the expected losses (after a deliberate change to the training math) w
     python tests/recipes/test_bert_glue.py --record
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -18,38 +17,22 @@ import torch
 if __name__ == "__main__":  # run as a script (--record): make tests/conftest.py importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import BUILT_MODELS, GLUE_DIR, RECIPES, REPO, TINY_BERT, accelerate_launch, run
+from conftest import BUILT_MODELS, GLUE_DIR, RECIPES, REPO, TINY_BERT, accelerate_launch, glue_flags, run
 from wandb_offline import offline_run
 
 EXPECTED_LOSSES = Path(__file__).with_name("expected_losses.json")
 
 # A seeded fp32 run on the tiny random BERT, one loss per optimizer step.
-TINY_MRPC_ARGS = [
-    "--task_name",
-    "mrpc",
-    "--data_dir",
-    GLUE_DIR,
-    "--model_name_or_path",
-    TINY_BERT,
-    "--max_train_samples",
-    96,
-    "--max_eval_samples",
-    64,
-    "--per_device_train_batch_size",
-    8,
-    "--gradient_accumulation_steps",
-    2,
-    "--num_train_epochs",
-    2,
-    "--learning_rate",
-    1e-3,
-    "--logging_steps",
-    1,
-    "--seed",
-    42,
-    "--mixed_precision",
-    "no",
-]
+TINY_MRPC_ARGS = glue_flags(
+    max_train_samples=96,
+    max_eval_samples=64,
+    gradient_accumulation_steps=2,
+    num_train_epochs=2,
+    learning_rate=1e-3,
+    logging_steps=1,
+    seed=42,
+    mixed_precision="no",
+)
 
 
 def read_history(output_dir):
@@ -211,18 +194,6 @@ def test_real_minilm_fine_tune_learns_mrpc(tmp_path):
 
 
 # ----------------------------------------------------------------------------- bad input
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("bert_glue_recipe", RECIPES / "bert_glue.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def recipe():
-    return load_recipe()
-
-
 def write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

@@ -34,9 +34,8 @@ def test_masked_lm_loss_decreases_and_the_model_fine_tunes(mlm, recipe, corpus, 
     argv += ["--eval_steps", 20, "--logging_steps", 10, "--output_dir", tmp_path / "mlm"]
     results = train(mlm, argv)
     evals = [row for row in log_history(tmp_path / "mlm") if "eval_loss" in row]
-    assert [row["step"] for row in evals] == [20, 40, 60, 60]  # every 20 steps, and at the epoch's end
+    assert [row["step"] for row in evals] == [20, 40, 60]  # every 20 steps; the epoch's end is one of them
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.5  # it learns the corpus
-    assert evals[-1]["eval_loss"] == evals[-2]["eval_loss"]  # the same masks each evaluation
     assert results["eval_perplexity"] == pytest.approx(math.exp(results["eval_loss"]))
     assert results["eval_masked_tokens"] > 100 and results["precision_in_effect"] == "fp32"
 
@@ -57,11 +56,11 @@ def test_evaluation_masks_are_fixed_with_dataloader_workers(mlm, corpus, tmp_pat
     """With DataLoader workers (the CUDA default is 2), masks drawn in the workers differed between
     two evaluations of the same weights; evaluation now masks in the main process, seeded."""
     argv = ["--train_file", corpus / "sst2.txt", "--model_name_or_path", TINY_BERT, "--max_seq_length", 32]
-    argv += ["--per_device_train_batch_size", 16, "--max_train_steps", 4, "--eval_steps", 4]
-    argv += ["--dataloader_num_workers", 2, "--output_dir", tmp_path / "mlm"]
-    train(mlm, argv)
+    argv += ["--per_device_train_batch_size", 16, "--max_train_steps", 4, "--eval_steps", 2]
+    argv += ["--learning_rate", 0, "--dataloader_num_workers", 2, "--output_dir", tmp_path / "mlm"]
+    train(mlm, argv)  # learning rate 0: the weights evaluated at steps 2 and 4 are the same
     evals = [row["eval_loss"] for row in log_history(tmp_path / "mlm") if "eval_loss" in row]
-    assert len(evals) == 2 and evals[0] == evals[1]  # step 4, then the end of training: same weights
+    assert len(evals) == 2 and evals[0] == evals[1]
 
 
 def mlm_command(corpus):

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from conftest import (
-    GLUE_DIR,
     RECIPES,
     REPO,
-    TINY_BERT,
     Fp16OnCpu,
+    glue_flags,
     log_history,
     minilm_path,
     offline_env,
@@ -29,18 +28,13 @@ from amp_recipes.checkpoint import (
     LATEST,
     MARKER,
     CheckpointError,
+    PreemptionHandler,
     complete_checkpoints,
     rotate,
     save_checkpoint,
 )
 
-TINY = [
-    *("--task_name mrpc --max_eval_samples 16 --per_device_train_batch_size 8 --learning_rate 1e-3".split()),
-    *("--logging_steps 1 --seed 7 --data_dir".split()),
-    str(GLUE_DIR),
-    "--model_name_or_path",
-    str(TINY_BERT),
-]
+TINY = glue_flags(learning_rate=1e-3, logging_steps=1, seed=7)
 
 
 def history(output_dir):
@@ -141,7 +135,7 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
 
 # ----------------------------------------------------------------------------- in process
 def stop_at(step):
-    class StopAt:
+    class StopAt(PreemptionHandler):  # a SIGTERM "arrives" before optimizer step `step`
         def __init__(self):
             self.calls, self.signal_name = 0, "SIGTERM"
 
@@ -326,6 +320,7 @@ class FakeAccelerator:
     is_main_process = True
 
     def __init__(self, error=None):
+        PartialState()  # for accelerate's logger
         self.error = error
 
     def wait_for_everyone(self):

@@ -5,11 +5,17 @@ import sys
 
 import pytest
 import torch
-from conftest import GLUE_DIR, RECIPES, TINY_BERT, accelerate_launch, run
+from conftest import RECIPES, TINY_BERT, accelerate_launch, glue_flags, run
 from safetensors.torch import load_file
 from wandb_offline import offline_run
 
-TINY = ["--task_name", "mrpc", "--data_dir", GLUE_DIR, "--per_device_eval_batch_size", 8, "--seed", 3]
+TINY = glue_flags(
+    model_name_or_path=None,
+    max_eval_samples=None,
+    per_device_train_batch_size=None,
+    per_device_eval_batch_size=8,
+    seed=3,
+)
 TWO_PROCESSES = ["--multi_gpu", "--num_processes", 2, "--num_cpu_threads_per_process", 1]
 CPU_GROUP = {"ACCELERATE_USE_CPU": "1"}  # without a GPU: one gloo process group, not 2 lone runs
 

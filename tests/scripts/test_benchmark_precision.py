@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, run
+from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, load_module, run
 from wandb_offline import offline_run
 
 SCRIPT = REPO / "scripts" / "benchmark_precision.py"
@@ -164,13 +164,10 @@ def test_a_crashed_trial_fails_the_benchmark_loudly(tmp_path):
 def test_memory_budget_gets_a_cuda_index_torch_accepts(monkeypatch):
     """accelerate's single-process device is torch.device("cuda") without an index, which
     torch.cuda.set_per_process_memory_fraction refuses; the benchmark passes the index."""
-    import importlib.util
 
     from torch.cuda._utils import _get_device_index
 
-    spec = importlib.util.spec_from_file_location("benchmark_precision", SCRIPT)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_module(SCRIPT)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
         _get_device_index(torch.device("cuda"), optional=False)  # what torch does with the bare device

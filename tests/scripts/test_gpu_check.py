@@ -4,7 +4,7 @@ import json
 import os
 import sys
 
-from conftest import REPO, run
+from conftest import REPO, load_module, run
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -46,12 +46,7 @@ def test_gpu_check_dry_run(tmp_path):
 
 
 def load_gpu_check():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    return gpu_check
+    return load_module(REPO / "scripts" / "gpu_check.py")
 
 
 def test_a_step_past_its_limit_is_killed_with_its_children_and_reported(tmp_path):

