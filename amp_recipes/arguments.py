@@ -43,6 +43,12 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
     )
     train.add_argument("--torch_compile_backend", default="inductor", help="torch.compile backend.")
     train.add_argument(
+        "--torch_compile_mode",
+        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+        default="default",
+        help="torch.compile mode (reduce-overhead: CUDA graphs, for small batches on a GPU).",
+    )
+    train.add_argument(
         "--optim",
         choices=["auto", "adamw_torch", "adamw_torch_fused"],
         default="auto",

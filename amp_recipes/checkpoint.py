@@ -190,8 +190,14 @@ def load_checkpoint(accelerator, checkpoint: Path) -> None:
         ) from error
 
 
-def resume(accelerator, value: str, checkpoints_dir: Path, identity: dict) -> dict:
-    """Find, check and load a checkpoint (model, optimizer, scheduler, GradScaler, RNG); return its record."""
+FRESH_RUN = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "tracker_run_id": None}
+
+
+def resume(accelerator, value: str | None, checkpoints_dir: Path, identity: dict) -> dict:
+    """Find, check and load a checkpoint (model, optimizer, scheduler, GradScaler, RNG); return its
+    record. Without one (`value` None: no --resume_from_checkpoint), the position of a fresh run."""
+    if not value:
+        return dict(FRESH_RUN)
     path = resolve_checkpoint(value, checkpoints_dir)
     record = read_checkpoint(path, identity)
     warning = check_precision_switch(path, accelerator)

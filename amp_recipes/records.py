@@ -63,3 +63,20 @@ def init_trackers(accelerator, args, run_config: dict, tracker_run_id: str | Non
         config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in run_config.items()},
         init_kwargs={"wandb": {k: v for k, v in wandb_kwargs.items() if v}},
     )
+
+
+def write_final_figures(accelerator, summary: dict, step: int) -> None:
+    """The run's final figures (dev metrics, peak memory, runtime, samples/s and tokens/s,
+    precision in effect, fp16 skipped steps and loss scale) into accelerate's trackers: W&B's run
+    summary, which its run tables and comparisons show (otherwise only the last history row), and
+    TensorBoard scalars under `final/`. accelerate's tracker API has no summary call: this writes
+    through each tracker's own object (`tracker.tracker`: the wandb run, the SummaryWriter)."""
+    numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    texts = {k: v for k, v in summary.items() if isinstance(v, str)}
+    for tracker in accelerator.trackers:  # empty on other processes than the main one
+        if tracker.name == "wandb":
+            tracker.tracker.summary.update({**numbers, **texts})
+        elif tracker.name == "tensorboard":
+            for name, value in numbers.items():
+                tracker.tracker.add_scalar(f"final/{name}", value, global_step=step)
+            tracker.tracker.flush()

@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, TorchDynamoPlugin, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from amp_recipes.arguments import add_shared_args, add_worker_args, check_shared_args
 from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
+from amp_recipes.compile import CompileMonitor, dynamo_plugin
 from amp_recipes.data import (
     GLUE_TASKS,
     first_rows,
@@ -40,7 +41,7 @@ from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.metrics import load_metric
 from amp_recipes.optim import make_optimizer, training_schedule
 from amp_recipes.precision import check_model_dtype, log_preflight, preflight, resolve_mixed_precision
-from amp_recipes.records import RunRecord, init_trackers
+from amp_recipes.records import RunRecord, init_trackers, write_final_figures
 from amp_recipes.telemetry import ActivationMonitor, StepTelemetry
 
 logger = get_logger(__name__)
@@ -190,7 +191,9 @@ def main(argv=None):
             )
         ],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        dynamo_plugin=TorchDynamoPlugin(backend=args.torch_compile_backend) if args.torch_compile else None,
+        dynamo_plugin=dynamo_plugin(
+            args
+        ),  # --torch_compile: one graph for every length, layers compiled once
         dataloader_config=DataLoaderConfiguration(
             use_seedable_sampler=True,  # shuffling seeded by (seed, epoch): a resume sees the same batches
             non_blocking=torch.cuda.is_available(),  # copies to the GPU from pinned memory, without a stall
@@ -240,16 +243,16 @@ def main(argv=None):
         "model": model_shape,
         "seed": args.seed,
     }
-    resumed = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "tracker_run_id": None}
-    if args.resume_from_checkpoint:  # model, optimizer, scheduler, GradScaler and RNG states
-        resumed = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, run_kind)
+    # --resume_from_checkpoint: model, optimizer, scheduler, GradScaler and RNG states; else step 0.
+    resumed = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, run_kind)
     # AMP: loss scale, skipped steps, grad norm, non-finite checks; created after a resume has
     # restored the GradScaler, so it starts from the checkpoint's loss scale.
     telemetry = StepTelemetry(accelerator, model, args.max_consecutive_skipped_steps, args.diagnose_overflow)
     telemetry.load_state_dict(resumed.get("telemetry", {}))
-    # AMP: each module's max |activation| / 65504; its hooks would make a compiled model recompile.
+    # AMP: each module's max |activation| / 65504; off under --torch_compile (its hooks would recompile).
     monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
     activations = ActivationMonitor(accelerator.unwrap_model(model), monitor_interval)
+    compiled = CompileMonitor(args.torch_compile)  # graphs compiled; whether dynamo gave up recompiling
     run_facts = {  # for the trackers' config and eval_results.json
         **precision,
         "task_name": task.name,
@@ -289,6 +292,7 @@ def main(argv=None):
     if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
         results = {**run_evaluation(completed_steps, resumed["epoch"]), **run_facts}
         record.write_results({**results, "model_name_or_path": args.model_name_or_path})
+        write_final_figures(accelerator, results, completed_steps)  # W&B run summary, TensorBoard
         accelerator.end_training()
         return results
     preemption = PreemptionHandler()  # SIGTERM/SIGINT: stop after the current step, with a checkpoint
@@ -389,10 +393,12 @@ def main(argv=None):
         "peak_memory_bytes": peak_memory_bytes(accelerator.device),
         **telemetry.summary(),  # AMP: fp16 skipped steps and final loss scale; non-finite losses
         "fp16_range": activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
+        **compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
     }
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         record.write_results(summary)  # written last: its presence means the run finished
+    write_final_figures(accelerator, summary, completed_steps)  # W&B run summary, TensorBoard
     logger.info(f"Saved model and eval_results.json to {args.output_dir}: {summary}")
     accelerator.end_training()
     return summary

@@ -3,6 +3,7 @@
     python scripts/benchmark_precision.py --arms fp32,fp16
     accelerate launch scripts/benchmark_precision.py --arms fp32,tf32,fp16,bf16 --report_to wandb
     python scripts/benchmark_precision.py --arms fp32,bf16 --memory_budget_gb 6   # on a CPU
+    python scripts/benchmark_precision.py --arms fp32,fp16,fp32+compile,fp16+compile --no_search
 
 Each arm, and each trial of the batch-size search, runs in its own fresh process (accelerate's
 state is a per-process singleton, and peak memory must not carry over), with the same seed, the
@@ -28,13 +29,23 @@ ARMS = {  # arm -> (accelerate mixed_precision, TF32 matmuls allowed)
     "fp16": ("fp16", False),
     "bf16": ("bf16", False),
 }
+COMPILED = "+compile"  # "fp16+compile": the same arm under torch.compile, with the recipes' settings
+
+
+def precision_of(arm: str) -> str:
+    """The precision part of an arm's name: "fp16" for "fp16" and "fp16+compile"."""
+    return arm.removesuffix(COMPILED)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--arms", default="fp32,tf32,fp16,bf16", help="Comma-separated subset of fp32,tf32,fp16,bf16."
+        "--arms",
+        default="fp32,tf32,fp16,bf16",
+        help="Comma-separated subset of fp32,tf32,fp16,bf16; add +compile to one (fp16+compile) for "
+        "the same arm under torch.compile (compile time reported apart from step time).",
     )
+    parser.add_argument("--torch_compile_backend", default="inductor", help="Backend of the +compile arms.")
     parser.add_argument(
         "--model_name_or_path", help="Pretrained sequence-classification model (Hub id or directory)."
     )
@@ -72,9 +83,9 @@ def parse_args(argv=None):
     if args.worker:
         return args
     args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
-    unknown = [arm for arm in args.arms if arm not in ARMS]
+    unknown = [arm for arm in args.arms if precision_of(arm) not in ARMS]
     if unknown or not args.arms:
-        parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}.")
+        parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)} (each may end in {COMPILED}).")
     if args.model_name_or_path and args.config_name:
         parser.error(
             "use --model_name_or_path (pretrained weights) or --config_name (random weights), not both."
@@ -175,15 +186,22 @@ def run_worker(spec_path: str) -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from amp_recipes.compile import CompileMonitor, dynamo_plugin
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
     from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
     from amp_recipes.optim import make_optimizer
     from amp_recipes.precision import describe_precision
 
-    mixed_precision, tf32 = ARMS[arm]
+    mixed_precision, tf32 = ARMS[precision_of(arm)]
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
-    accelerator = Accelerator(mixed_precision=mixed_precision)
+    compile_flags = argparse.Namespace(
+        torch_compile=arm.endswith(COMPILED),
+        torch_compile_backend=config["torch_compile_backend"],
+        torch_compile_mode="default",
+    )
+    accelerator = Accelerator(mixed_precision=mixed_precision, dynamo_plugin=dynamo_plugin(compile_flags))
+    compiled = CompileMonitor(compile_flags.torch_compile)
     device = accelerator.device
     budget = config["memory_budget_gb"] and int(config["memory_budget_gb"] * 2**30)
     if budget and device.type == "cuda":  # emulate a smaller GPU: allocations past it raise OOM
@@ -206,7 +224,7 @@ def run_worker(spec_path: str) -> None:
         **describe_precision(accelerator, mixed_precision),
         "tf32_matmul": tf32_matmul_enabled(),  # this arm's own setting, not the parent's
     }
-    if arm == "tf32":
+    if precision_of(arm) == "tf32":
         hardware = hardware_record(device)
         if not hardware["tf32_supported"]:
             result["precision_in_effect"] = "fp32"
@@ -220,7 +238,7 @@ def run_worker(spec_path: str) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    step_seconds, losses = [], []
+    step_seconds, losses, first_step_seconds = [], [], None
     try:
         for index, batch in enumerate(batches):
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -233,6 +251,8 @@ def run_worker(spec_path: str) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             synchronize()
+            if index == 0:  # under torch.compile: the compilation, then the step
+                first_step_seconds = time.perf_counter() - started
             if index >= spec["warmup_steps"]:
                 step_seconds.append(time.perf_counter() - started)
                 losses.append(loss.item())
@@ -276,6 +296,10 @@ def run_worker(spec_path: str) -> None:
             min_step_seconds=min(step_seconds),
             max_step_seconds=max(step_seconds),
             samples_per_second=batch_size / median,
+            first_step_seconds=first_step_seconds,
+            # The first step's time beyond a steady step: compilation (+compile arms), else warm-up.
+            compile_seconds=first_step_seconds - median if compile_flags.torch_compile else None,
+            **compiled.report(),
             tokens_per_second=batch_size * config["seq_len"] / median,
             losses=losses,
             parameters=sum(p.numel() for p in unwrapped.parameters()),
@@ -391,7 +415,7 @@ def compare(results: dict) -> None:
         result["ratios_vs_fp32"] = None
         if not result.get("fits") or arm == "fp32" or not base or not base.get("fits"):
             continue
-        if result["precision_in_effect"] != arm:
+        if result["precision_in_effect"] != precision_of(arm):
             result["no_ratio_reason"] = f"requested {arm} but ran {result['precision_in_effect']}"
             continue
         ratios = {
@@ -414,14 +438,14 @@ def markdown_table(results: dict) -> str:
 
     header = (
         "| arm | ran as | peak mem (GiB) | mem drop | max batch | headroom | median step (ms) "
-        "| samples/s | speedup | MFU | loss rel. diff (max) |"
+        "| samples/s | speedup | MFU | loss rel. diff (max) | compile (s) |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for arm, r in results.items():
         if not r.get("fits"):
             lines.append(
                 f"| {arm} | {r.get('precision_in_effect', '—')} | does not fit ({r.get('failure')}) |"
-                + " — |" * 8
+                + " — |" * 9
             )
             continue
         max_batch = r.get("max_batch_size")
@@ -437,11 +461,12 @@ def markdown_table(results: dict) -> str:
         loss = r.get("loss_vs_fp32")
         mfu_text = "—" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
         loss_text = "—" if not loss else f"{loss['max']:.2e}"
+        compile_text = "—" if r.get("compile_seconds") is None else f"{r['compile_seconds']:.1f}"
         lines.append(
             f"| {arm} | {r['precision_in_effect']} | {gib(r['peak_memory_bytes'])} "
             f"| {ratio(r, 'memory_drop_percent', '{:.1f}%')} | {max_batch_text} | {ratio(r, 'headroom', '{:.2f}x')} "
             f"| {r['median_step_seconds'] * 1e3:.1f} | {r['samples_per_second']:.1f} | {ratio(r, 'speedup', '{:.2f}x')} "
-            f"| {mfu_text} | {loss_text} |"
+            f"| {mfu_text} | {loss_text} | {compile_text} |"
         )
     notes = [f"- {arm}: {r['precision_note']}" for arm, r in results.items() if r.get("precision_note")]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"

@@ -35,14 +35,28 @@ def read_records(path):
     return records
 
 
-def offline_run(wandb_dir, run_dir=None):
-    """The single offline run under `wandb_dir` (or the run in `run_dir`): its run record,
-    config and history rows."""
+def run_file(wandb_dir, run_dir=None) -> Path:
     pattern = "run-*.wandb" if run_dir else "wandb/offline-run-*/run-*.wandb"
     run_files = list(Path(run_dir or wandb_dir).glob(pattern))
     assert len(run_files) == 1, run_files
+    return run_files[0]
+
+
+def offline_summary(wandb_dir, run_dir=None) -> dict:
+    """The run summary as the run last set it (its `summary` records, in order)."""
+    summary = {}
+    for record in read_records(run_file(wandb_dir, run_dir)):
+        if record.WhichOneof("record_type") == "summary":
+            for item in record.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return summary
+
+
+def offline_run(wandb_dir, run_dir=None):
+    """The single offline run under `wandb_dir` (or the run in `run_dir`): its run record,
+    config and history rows."""
     run, config, history = None, {}, []
-    for record in read_records(run_files[0]):
+    for record in read_records(run_file(wandb_dir, run_dir)):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = record.run

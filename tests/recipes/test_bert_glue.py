@@ -18,7 +18,7 @@ if __name__ == "__main__":  # run as a script (--record): make tests/conftest.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import BUILT_MODELS, GLUE_DIR, RECIPES, REPO, TINY_BERT, accelerate_launch, glue_flags, run
-from wandb_offline import offline_run
+from wandb_offline import offline_run, offline_summary
 
 EXPECTED_LOSSES = Path(__file__).with_name("expected_losses.json")
 
@@ -110,6 +110,19 @@ def test_wandb_offline_run_has_the_config_and_metrics(tiny_mrpc_run):
     assert [row["_step"] for row in logged] == list(range(1, 13))
     assert {"learning_rate", "samples_per_second", "tokens_per_second", "padding_fraction"} <= set(logged[0])
     assert [row["_step"] for row in history if "eval_f1" in row] == [4, 6, 8, 12]
+    # The final figures are the run summary W&B compares runs by (not just the last history row).
+    _, output_dir, _ = tiny_mrpc_run
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    summary = offline_summary(tmp_path)
+    figures = [
+        "peak_memory_bytes",
+        "train_runtime_seconds",
+        "train_samples_per_second",
+        "train_tokens_per_second",
+    ]
+    assert results["peak_memory_bytes"] > 0
+    assert {name: summary[name] for name in figures} == {name: results[name] for name in figures}
+    assert summary["precision_in_effect"] == "fp32" and summary["eval_f1"] == results["eval_f1"]
 
 
 def test_seeded_fp32_losses_match_the_recorded_ones(tiny_mrpc_run):
@@ -160,7 +173,13 @@ def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
     results = json.loads((output_dir / "eval_results.json").read_text())
     assert (results["mixed_precision_requested"], results["precision_in_effect"]) == ("fp16", "fp32")
     assert results["train_steps"] == 2 and "eval_accuracy" in results
-    assert list((output_dir / "amp-recipes").glob("events.out.tfevents.*"))  # the TensorBoard run
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(output_dir / "amp-recipes"))  # the TensorBoard run
+    events.Reload()
+    peak = events.Scalars("final/peak_memory_bytes")
+    assert [(e.step, e.value) for e in peak] == [(2, pytest.approx(results["peak_memory_bytes"], rel=1e-6))]
+    assert events.Scalars("final/eval_accuracy")[0].value == pytest.approx(results["eval_accuracy"])
 
 
 def test_real_minilm_fine_tune_learns_mrpc(tmp_path):

@@ -6,6 +6,7 @@ import sys
 
 import torch
 from conftest import RECIPES, REPO, glue_flags, log_history, run, train
+from transformers import AutoModelForSequenceClassification
 
 TINY = glue_flags(seed=3)
 # Tensor methods that make the host wait for the device (on a GPU); counted when our code calls them.
@@ -60,20 +61,64 @@ def test_a_second_run_reads_datasets_cache_and_a_changed_flag_tokenises_again(tm
     assert results["optimizer"] == "fused AdamW"
 
 
-def test_torch_compile_goes_through_accelerate(recipe, tmp_path, monkeypatch):
+def compile_run(recipe, tmp_path, monkeypatch, *extra):
+    """The tiny model compiled (dynamo's `eager` backend: the graphs without inductor's codegen) on
+    MRPC batches of many padded lengths, launched as `accelerate launch` would: it exports
+    ACCELERATE_DYNAMO_USE_DYNAMIC=False, which made every new length recompile."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")
+    torch._dynamo.reset()
+    counters.clear()
     compiled = []
     real_compile = torch.compile
 
     def recording_compile(model, *args, **kwargs):
-        compiled.append(kwargs.get("backend"))
+        compiled.append((type(model).__name__, kwargs.get("backend"), kwargs.get("dynamic")))
         return real_compile(model, *args, **kwargs)
 
     monkeypatch.setattr(torch, "compile", recording_compile)
-    argv = [*TINY, "--max_train_steps", 2, "--torch_compile", "--torch_compile_backend", "eager"]
-    results = train(recipe, [*argv, "--output_dir", tmp_path])
-    assert compiled == ["eager"]  # accelerate's TorchDynamoPlugin compiled the prepared model once
+    argv = [*TINY, "--max_train_samples", 96, "--max_train_steps", 12, "--eval_steps", 6, *extra]
+    results = train(
+        recipe, [*argv, "--torch_compile", "--torch_compile_backend", "eager", "--output_dir", tmp_path]
+    )
+    return results, compiled, counters["stats"]["unique_graphs"]
+
+
+def test_torch_compile_compiles_a_bounded_number_of_graphs(recipe, tmp_path, monkeypatch):
+    results, compiled, graphs = compile_run(recipe, tmp_path, monkeypatch)
+    # accelerate's TorchDynamoPlugin, regional: each encoder layer compiled (the same code, so one
+    # set of graphs serves all five), dynamic shapes, the eager backend asked for.
+    assert [name for name, _, _ in compiled].count("BertLayer") == 5
+    assert {(backend, dynamic) for _, backend, dynamic in compiled} == {("eager", True)}
+    # Whatever the lengths (MRPC's padded lengths change from batch to batch: with static shapes
+    # the same run hits dynamo's recompile limit, next test): per compiled
+    # module class one graph for training and one for evaluation (dropout on and off).
+    kinds = {name for name, _, _ in compiled}  # BertEmbeddings, BertLayer, BertPooler, Dropout, Linear
+    assert results["compiled_graphs"] == graphs == 2 * len(kinds), (graphs, kinds)
+    assert results["recompile_limit_hit"] is False
     assert results["fp16_range"] == {}  # the monitor's hooks would force recompiles: off
-    assert results["train_steps"] == 2
+    assert results["train_steps"] == 12
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)  # plain keys, no _orig_mod
+    assert reloaded.config.model_type == "bert"
+
+
+def test_a_hit_recompile_limit_is_reported_in_our_log(recipe, tmp_path, monkeypatch, caplog):
+    """Shapes marked static (what `accelerate launch` asks by default) recompile per length until
+    dynamo gives up; the run says so, and eval_results.json records it."""
+    caplog.set_level("WARNING")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    static = recipe.dynamo_plugin
+
+    def static_shapes(args):
+        plugin = static(args)
+        plugin.dynamic = False
+        return plugin
+
+    monkeypatch.setattr(recipe, "dynamo_plugin", static_shapes)
+    results, _, _ = compile_run(recipe, tmp_path, monkeypatch)
+    assert results["recompile_limit_hit"] is True
+    assert "torch.compile hit dynamo's recompile limit: parts of the model now run uncompiled" in caplog.text
 
 
 def test_dataloader_workers(recipe, tmp_path):

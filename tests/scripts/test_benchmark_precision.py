@@ -142,10 +142,42 @@ def test_wandb_has_one_run_per_arm_in_one_group(benchmark):
     assert job_types == {"fp32", "bf16", "fp16"}
 
 
+def test_compiled_arm_reports_compile_time_apart_from_step_time(tmp_path):
+    """fp32+compile: the same arm under torch.compile with the recipes' settings (dynamo's eager
+    backend here: the graphs without inductor's code generation)."""
+    output_dir = tmp_path / "out"
+    argv = [
+        SCRIPT,
+        "--config_name",
+        TINY_BERT,
+        "--arms",
+        "fp32,fp32+compile",
+        "--torch_compile_backend",
+        "eager",
+    ]
+    argv += ["--seq_len", 32, "--batch_size", 4, "--warmup_steps", 1, "--timed_steps", 3, "--no_search"]
+    result = run([sys.executable, *argv, "--output_dir", output_dir], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    arms = json.loads((output_dir / "results.json").read_text())["arms"]
+    eager, compiled = arms["fp32"], arms["fp32+compile"]
+    assert eager["compile_seconds"] is None and "compiled_graphs" not in eager
+    assert compiled["compiled_graphs"] >= 2 and compiled["recompile_limit_hit"] is False
+    assert compiled["compile_seconds"] == pytest.approx(
+        compiled["first_step_seconds"] - compiled["median_step_seconds"]
+    )
+    assert compiled["first_step_seconds"] > 2 * compiled["median_step_seconds"]  # tracing is not free
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)  # same model, same batches
+    assert compiled["ratios_vs_fp32"]["speedup"] > 0  # compared with eager fp32
+    assert "| compile (s) |" in (output_dir / "results.md").read_text()
+
+
 def test_bad_arm_is_refused(tmp_path):
-    result = run([sys.executable, SCRIPT, "--arms", "fp32,int8"], tmp_path)
+    result = run([sys.executable, SCRIPT, "--arms", "fp32,int8,fp16+jit"], tmp_path)
     assert result.returncode == 2
-    assert "unknown arm(s) ['int8']; choose from fp32, tf32, fp16, bf16." in result.stderr
+    assert (
+        "unknown arm(s) ['int8', 'fp16+jit']; choose from fp32, tf32, fp16, bf16 (each may end in +compile)."
+        in result.stderr
+    )
 
 
 def test_a_crashed_trial_fails_the_benchmark_loudly(tmp_path):
