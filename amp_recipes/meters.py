@@ -83,11 +83,9 @@ class ThroughputMeter:
         real = int(real_tokens.item())
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.reset()
-        self.run_samples, self.run_tokens, self.run_seconds = (
-            self.run_samples + samples,
-            self.run_tokens + real,
-            self.run_seconds + elapsed,
-        )
+        self.run_samples += samples
+        self.run_tokens += real
+        self.run_seconds += elapsed
         return {
             "samples_per_second": samples / elapsed,
             "tokens_per_second": real / elapsed,

@@ -157,9 +157,8 @@ def main(argv=None):
             )
         ],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        dynamo_plugin=dynamo_plugin(
-            args
-        ),  # --torch_compile: one graph for every length, layers compiled once
+        # --torch_compile: one graph for every padded length, the repeated layer compiled once.
+        dynamo_plugin=dynamo_plugin(args),
         dataloader_config=DataLoaderConfiguration(
             use_seedable_sampler=True,  # shuffling seeded by (seed, epoch): a resume sees the same batches
             non_blocking=torch.cuda.is_available(),  # copies to the GPU from pinned memory, without a stall
@@ -250,7 +249,7 @@ def main(argv=None):
     checkpoint_every = int(args.checkpointing_steps) if str(args.checkpointing_steps).isdigit() else None
     max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still measured
     if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
-        results = {**run_evaluation(completed_steps, resumed["epoch"]), **run_facts}
+        results = {**run_evaluation(completed_steps, resumed["epoch"]), **run_facts, **compiled.report()}
         record.write_results({**results, "model_name_or_path": args.model_name_or_path})
         write_final_figures(accelerator, results, completed_steps)  # W&B run summary, TensorBoard
         accelerator.end_training()
