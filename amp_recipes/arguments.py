@@ -5,6 +5,7 @@ data and model flags, then calls `check_shared_args`."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from .telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
 
@@ -111,6 +112,11 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         "--output_dir", help=f"Where the model, eval_results.json and logs go (default: {output_default})."
     )
     output.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="Replace the run already in --output_dir (its final model stays until the new one is saved).",
+    )
+    output.add_argument(
         "--checkpointing_steps", help="Save a checkpoint every N optimizer steps, or each 'epoch'."
     )
     output.add_argument(
@@ -119,40 +125,56 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
     output.add_argument("--save_total_limit", type=int, help="Keep only the newest K complete checkpoints.")
 
 
+# Every numeric flag the recipes share, with the values it accepts (a recipe adds its own):
+# checked before anything is loaded, so a typo costs a second, not a model download.
+SHARED_RANGES = {
+    "per_device_train_batch_size": (lambda v: v >= 1, "at least 1"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, "at least 1"),
+    "learning_rate": (lambda v: v >= 0, "at least 0"),
+    "weight_decay": (lambda v: v >= 0, "at least 0"),
+    "num_train_epochs": (lambda v: v >= 1, "at least 1"),
+    "max_train_steps": (lambda v: v >= 1, "at least 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1"),
+    "warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "max_grad_norm": (lambda v: v >= 0, "at least 0 (0 turns clipping off)"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "fp16_init_scale": (lambda v: v > 0, "positive"),
+    "fp16_growth_interval": (lambda v: v >= 1, "at least 1"),
+    "fp16_growth_factor": (lambda v: v > 1, "greater than 1"),
+    "fp16_backoff_factor": (lambda v: 0 < v < 1, "between 0 and 1"),
+    "max_consecutive_skipped_steps": (lambda v: v >= 1, "at least 1"),
+    "activation_monitor_interval": (lambda v: v >= 0, "at least 0 (0 turns it off)"),
+    "eval_steps": (lambda v: v >= 1, "at least 1"),
+    "logging_steps": (lambda v: v >= 1, "at least 1"),
+    "save_total_limit": (lambda v: v >= 1, "at least 1"),
+    "preprocessing_num_workers": (lambda v: v >= 1, "at least 1"),
+    "dataloader_num_workers": (lambda v: v >= 0, "at least 0"),
+}
+
+
+def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, ranges: dict) -> None:
+    """`parser.error` (usage, then one sentence) for the first numeric flag out of its range; a
+    flag left unset (None) is not checked. NaN and infinity are out of every range."""
+    for name, (valid, rule) in ranges.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and valid(value)):
+            parser.error(f"--{name} must be {rule}, not {value}.")
+
+
 def check_shared_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """One sentence per bad flag, before anything starts."""
-    for name in (
-        "per_device_train_batch_size",
-        "per_device_eval_batch_size",
-        "gradient_accumulation_steps",
-        "logging_steps",
-        "num_train_epochs",
-    ):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1.")
+    check_ranges(parser, args, SHARED_RANGES)
     if args.checkpointing_steps not in (None, "epoch") and not (
         args.checkpointing_steps.isdigit() and int(args.checkpointing_steps) > 0
     ):
         parser.error(
             f"--checkpointing_steps must be a positive number of steps or 'epoch', not {args.checkpointing_steps!r}."
         )
-    if args.save_total_limit is not None and args.save_total_limit < 1:
-        parser.error("--save_total_limit must be at least 1.")
-    if not 0 <= args.warmup_ratio < 1:
-        parser.error("--warmup_ratio must be in [0, 1).")
-    for name, valid, rule in (
-        ("fp16_init_scale", lambda v: v > 0, "positive"),
-        ("fp16_growth_interval", lambda v: v >= 1, "at least 1"),
-        ("fp16_growth_factor", lambda v: v > 1, "greater than 1"),
-        ("fp16_backoff_factor", lambda v: 0 < v < 1, "between 0 and 1"),
-    ):
-        if not valid(getattr(args, name)):
-            parser.error(f"--{name} must be {rule}.")
     if args.torch_compile and args.diagnose_overflow:
         parser.error(
             "--diagnose_overflow adds hooks every step, which makes torch.compile recompile: use one."
         )
-    if args.max_consecutive_skipped_steps < 1 or args.activation_monitor_interval < 0:
+    if args.overwrite_output_dir and args.resume_from_checkpoint:
         parser.error(
-            "--max_consecutive_skipped_steps must be at least 1, --activation_monitor_interval at least 0."
+            "--overwrite_output_dir starts the run again, --resume_from_checkpoint continues it: use one."
         )

@@ -21,7 +21,7 @@ from pathlib import Path
 from accelerate.logging import get_logger
 
 from .errors import CheckpointError
-from .records import write_json_atomic
+from .records import fsync_dir, write_json_atomic
 
 MARKER = "amp_checkpoint.json"  # written last: a folder without it is not a checkpoint
 LATEST = "latest"
@@ -34,15 +34,7 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    fsync_dir(folder)
 
 
 def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
@@ -86,10 +78,10 @@ def save_checkpoint(
             if final.exists():  # the same step saved again (e.g. a resumed run): replace it whole
                 shutil.rmtree(final)
             os.replace(staging, final)
-            _fsync_dir(checkpoints_dir)
+            fsync_dir(checkpoints_dir)
             (checkpoints_dir / f".{LATEST}.tmp").write_text(final.name)
             os.replace(checkpoints_dir / f".{LATEST}.tmp", checkpoints_dir / LATEST)
-            _fsync_dir(checkpoints_dir)
+            fsync_dir(checkpoints_dir)
             rotate(checkpoints_dir, save_total_limit)
     # torch.save reports a full disk as a RuntimeError ("PytorchStreamWriter failed writing file"),
     # safetensors and plain writes as OSError(ENOSPC).

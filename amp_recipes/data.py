@@ -8,7 +8,10 @@ from local TSV files has the same `id2label` as one fine-tuned from the Hub.
 
 from __future__ import annotations
 
+import codecs
 import csv
+import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,12 +175,7 @@ def _read_glue_tsv(path: Path, task: GlueTask, cache_dir: str | None) -> dataset
     kwargs = dict(delimiter="\t", quoting=csv.QUOTE_NONE, na_filter=False, encoding="utf-8-sig")
     if task.tsv_header is not None:
         kwargs.update(header=None, column_names=list(task.tsv_header))
-    try:
-        table = datasets.load_dataset(
-            "csv", data_files={"data": str(path)}, split="data", cache_dir=cache_dir, **kwargs
-        )
-    except Exception as error:  # pandas/arrow parse errors come in many types
-        raise InputError(f"Could not parse {path} as a GLUE {task.name} file: {error}") from error
+    table = _read_file("csv", str(path), ".tsv", cache_dir, **kwargs)
     missing = [column for column in task.tsv_columns.values() if column not in table.column_names]
     if missing:
         raise InputError(
@@ -203,7 +201,7 @@ def _encode_labels(table: datasets.Dataset, label_names, source: str) -> dataset
     def encode(batch):
         ids = []
         for value in batch["label"]:
-            key = str(value).strip()
+            key = _label_name(value)
             if key not in index:
                 raise InputError(
                     f"{source}: label {value!r} is not one of {list(label_names)} "
@@ -266,21 +264,173 @@ _FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json
 _DEFAULT_TEXT_COLUMNS = (("sentence1", "sentence2"), ("sentence",), ("text",))
 
 
-def _load_user_file(path: str, cache_dir: str | None) -> datasets.Dataset:
-    suffix = Path(path).suffix.lower()
-    if suffix not in _FILE_BUILDERS:
-        raise InputError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .json or .jsonl.")
-    if not os.path.isfile(path):
+def _check_file(path: str) -> None:
+    if not os.path.exists(path):
         raise InputError(f"Data file {path} does not exist.")
+    if not os.path.isfile(path):
+        raise InputError(f"Data file {path} is not a file.")
+    if os.path.getsize(path) == 0:
+        raise InputError(f"Data file {path} is empty.")
+    # UTF-8 checked before datasets reads the file (one fast pass): arrow keeps the bad bytes of a
+    # JSON string and fails only later, when the text is used.
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as handle:
+        try:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise InputError(f"{path} {_first_bad_line(path, '.txt')}.") from None
+
+
+def _first_bad_line(path: str, suffix: str) -> str | None:
+    """Why the file cannot be read, with its line number (bytes that are not UTF-8, a JSON Lines
+    line that is not an object); read line by line only once something has failed."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                byte = raw[error.start : error.start + 1].hex()
+                return f"line {number} is not UTF-8 text (byte 0x{byte}); save the file as UTF-8"
+            if suffix == ".jsonl" and line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError as error:
+                    return f"line {number} is not valid JSON ({error})"
+                if not isinstance(row, dict):
+                    return f"line {number} is not a JSON object with one field per column"
+    if suffix == ".json":
+        try:
+            json.loads(Path(path).read_text(encoding="utf-8"))
+        except ValueError as error:
+            return f"is not valid JSON ({error})"
+    return None
+
+
+def _longer_row(path: str, delimiter: str) -> str:
+    """The first row with more fields than the header (pandas would take the extras as an index)."""
+    with open(path, newline="", encoding="utf-8-sig") as handle:
+        rows = csv.reader(handle, delimiter=delimiter)
+        header = next(rows)
+        for number, row in enumerate(rows, start=2):
+            if len(row) > len(header):
+                return (
+                    f"line {number} has {len(row)} fields, its header {len(header)}; quote the fields "
+                    f"that contain the delimiter {delimiter!r}"
+                )
+    return "has rows with more fields than its header"
+
+
+def _read_file(builder: str, path: str, suffix: str, cache_dir: str | None, **kwargs) -> datasets.Dataset:
+    """datasets' reader; a file it cannot read is one InputError naming the file and the line."""
+    _check_file(path)
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its ERROR line before raising: ours says it
+    try:
+        table = datasets.load_dataset(
+            builder, data_files={"data": path}, split="data", cache_dir=cache_dir, **kwargs
+        )
+    except Exception as error:  # pandas, arrow and datasets errors come in many types
+        problem = _first_bad_line(path, suffix)
+        if problem is None:
+            cause = error
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            empty = "no data" in str(cause) or type(cause).__name__ in ("EmptyDataError", "StopIteration")
+            problem = "holds no rows" if empty else f"could not be read ({str(cause).splitlines()[0]})"
+        raise InputError(f"{path} {problem}.") from error
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    return table
+
+
+def _load_user_file(path: str, cache_dir: str | None, builders=_FILE_BUILDERS) -> datasets.Dataset:
+    suffix = Path(path).suffix.lower()
+    if suffix not in builders:
+        raise InputError(f"{path}: unsupported file type {suffix!r}; use {', '.join(builders)}.")
     kwargs = {"delimiter": "\t"} if suffix == ".tsv" else {}
     if suffix in (".csv", ".tsv"):
         kwargs["na_filter"] = False  # keep "NA"/"null" texts as text
-    try:
-        return datasets.load_dataset(
-            _FILE_BUILDERS[suffix], data_files={"data": path}, split="data", cache_dir=cache_dir, **kwargs
+    table = _read_file(builders[suffix], path, suffix, cache_dir, **kwargs)
+    if "__index_level_0__" in table.column_names:  # pandas' reading of rows longer than the header
+        raise InputError(f"{path} {_longer_row(path, kwargs.get('delimiter', ','))}.")
+    if table.num_rows == 0:
+        raise InputError(f"{path} holds no rows.")
+    other = {".tsv": ",", ".csv": "\t"}.get(suffix)
+    if len(table.column_names) == 1 and other and other in table.column_names[0]:
+        kind = "tab-separated" if suffix == ".tsv" else "comma-separated"
+        raise InputError(
+            f"{path} has a single column {table.column_names[0]!r}: {suffix} files are read as {kind}; "
+            f"name the file after its delimiter (.csv for commas, .tsv for tabs)."
         )
-    except Exception as error:
-        raise InputError(f"Could not read {path}: {error}") from error
+    return table
+
+
+def _check_texts(table: datasets.Dataset, text_columns, path: str) -> None:
+    for column in text_columns:
+        for row, text in enumerate(table[column], start=1):
+            if not isinstance(text, str) or not text.strip():
+                raise InputError(f"{path} row {row}: the {column!r} text is empty ({text!r}).")
+
+
+def _label_kind(value) -> str:
+    """'empty', 'int' (12, '12', 12.0), 'float' (0.5) or 'name' ('pos')."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return "empty"
+    if isinstance(value, bool):
+        return "name"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return "name"
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return "int" if float(value).is_integer() else "float"
+    return "name"
+
+
+def _label_name(value) -> str:
+    """A class label as its name: 2, "2" and 2.0 are all "2"."""
+    return str(int(float(value))) if _label_kind(value) == "int" else str(value).strip()
+
+
+def _label_type(values: list, path: str, label_type: str) -> str:
+    """classification or regression, from the label values and --label_type; explained, never
+    guessed, when the values leave it open."""
+    kinds: dict[str, int] = {}
+    for row, value in enumerate(values, start=1):
+        kind = _label_kind(value)
+        if kind == "empty":
+            raise InputError(f"{path} row {row} has no label; fill it in or drop the row.")
+        kinds.setdefault(kind, row)
+    if "name" in kinds and len(kinds) > 1:
+        number = min(row for kind, row in kinds.items() if kind != "name")
+        raise InputError(
+            f"{path} mixes class names (row {kinds['name']}: {values[kinds['name'] - 1]!r}) with numbers "
+            f"(row {number}: {values[number - 1]!r}); write every label the same way."
+        )
+    if label_type == "regression":
+        if "name" in kinds:
+            raise InputError(
+                f"{path} row {kinds['name']}: regression labels must be numbers, not {values[kinds['name'] - 1]!r}."
+            )
+        return "regression"
+    if label_type == "classification":
+        if "float" in kinds:
+            raise InputError(
+                f"{path} row {kinds['float']}: label {values[kinds['float'] - 1]!r} is not a whole number; "
+                "classification labels are class names or integer ids."
+            )
+        return "classification"
+    if "float" in kinds:
+        return "regression"
+    if "int" in kinds and any(isinstance(v, float) or (isinstance(v, str) and "." in v) for v in values):
+        raise InputError(
+            f"{path}: the labels are written as decimals but are all whole numbers (row 1: {values[0]!r}); "
+            "pass --label_type classification (classes) or --label_type regression (scores)."
+        )
+    return "classification"
 
 
 def load_user_files(
@@ -289,11 +439,14 @@ def load_user_files(
     text_columns: tuple[str, ...] | None = None,
     label_column: str = "label",
     cache_dir: str | None = None,
+    label_type: str = "auto",
 ) -> TaskData:
     """The user's own sentence (or sentence-pair) classification or regression data.
 
-    Float labels mean regression; anything else is classification, with the class list
-    taken from the training file (sorted) so that ids are stable between runs.
+    `label_type` auto: decimal labels (0.5, 3.8) mean regression; integers and names mean
+    classification, with the class list taken from the training file (sorted) so that ids are
+    stable between runs. Whole numbers written as decimals (1.0) are ambiguous: an error asks for
+    `label_type`.
     """
     tables = {
         "train": _load_user_file(train_file, cache_dir),
@@ -312,16 +465,18 @@ def load_user_files(
         missing = [c for c in (*text_columns, label_column) if c not in table.column_names]
         if missing:
             raise InputError(f"{path} has no column(s) {missing}; found {table.column_names}.")
+        _check_texts(table, text_columns, path)
         table = table.select_columns([*text_columns, label_column])
         if label_column != "label":
             table = table.rename_column(label_column, "label")
         tables[split] = table
 
-    label_type = tables["train"].features["label"]
-    regression = getattr(label_type, "dtype", "").startswith("float")
+    kind = _label_type(tables["train"]["label"], train_file, label_type)
+    _label_type(tables["validation"]["label"], validation_file, kind)  # empty or mixed labels
+    regression = kind == "regression"
     label_names = None
     if not regression:
-        values = {str(v) for v in tables["train"]["label"]}
+        values = {_label_name(v) for v in tables["train"]["label"]}
         label_names = tuple(
             sorted(values, key=lambda v: (0, int(v), "") if v.lstrip("-").isdigit() else (1, 0, v))
         )
@@ -357,8 +512,8 @@ def load_text_files(
     `validation_percentage` of the texts are held out (seeded split)."""
 
     def read(path: str) -> datasets.Dataset:
+        table = _load_user_file(path, cache_dir, {".txt": "text", **_FILE_BUILDERS})
         if Path(path).suffix.lower() != ".txt":
-            table = _load_user_file(path, cache_dir)
             if text_column not in table.column_names:
                 raise InputError(
                     f"{path} has no column {text_column!r}; found {table.column_names}. Use --text_column."
@@ -368,14 +523,9 @@ def load_text_files(
                 if text_column != "text"
                 else table.select_columns(["text"])
             )
-        else:
-            if not os.path.isfile(path):
-                raise InputError(f"Data file {path} does not exist.")
-            table = datasets.load_dataset(
-                "text", data_files={"data": path}, split="data", cache_dir=cache_dir
-            )
         table = table.filter(
-            lambda row: bool(row["text"] and row["text"].strip()), desc="Dropping empty texts"
+            lambda row: isinstance(row["text"], str) and bool(row["text"].strip()),
+            desc="Dropping empty texts",
         )
         if table.num_rows == 0:
             raise InputError(f"{path} holds no text.")

@@ -1,6 +1,7 @@
 """The errors a recipe reports as one sentence (`error: ...`, exit 1) instead of a traceback."""
 
 import contextlib
+import os
 
 
 class InputError(ValueError):
@@ -8,17 +9,40 @@ class InputError(ValueError):
 
 
 class CheckpointError(InputError):
-    """A checkpoint that cannot be written or resumed."""
+    """A checkpoint (or the final model) that cannot be written, or a checkpoint that cannot be resumed."""
 
 
 class TrainingDiverged(RuntimeError):
     """The run stopped itself because the loss or gradients are no longer finite."""
 
 
+def check_model_path(model_name_or_path: str) -> None:
+    """A local path that is not a model folder is said to be one; the Hub's repo-id rules would
+    otherwise explain it ("Repo id must use alphanumeric chars ...")."""
+    path = os.path.expanduser(model_name_or_path)
+    if os.path.isfile(path):
+        raise InputError(
+            f"--model_name_or_path {model_name_or_path} is a file; give the folder that holds config.json "
+            "and the weights."
+        )
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise InputError(
+            f"--model_name_or_path {model_name_or_path} has no config.json; give the folder a fine-tune "
+            "saved (save_pretrained) or a Hub model id."
+        )
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path
+    if not os.path.exists(path) and looks_local:
+        raise InputError(
+            f"--model_name_or_path {model_name_or_path}: no such directory (a Hub model id looks like "
+            "'bert-base-uncased' or 'org/name')."
+        )
+
+
 @contextlib.contextmanager
 def model_load_errors(model_name_or_path: str, num_labels: int | None = None):
     """Around `from_pretrained`: a model that cannot be found, or a classifier head of the wrong
     size, becomes one InputError sentence that says what to do."""
+    check_model_path(model_name_or_path)
     try:
         yield
     except OSError as error:

@@ -9,6 +9,15 @@ import tempfile
 from pathlib import Path
 
 
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Flush a folder's entries (a rename into it) to disk."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
     """Write to a temporary file in the same folder, flush to disk, then rename into place:
     a crash leaves either the old file or the new one, never half of one."""

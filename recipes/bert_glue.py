@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-from amp_recipes.arguments import add_shared_args, add_worker_args, check_shared_args
+from amp_recipes.arguments import add_shared_args, add_worker_args, check_ranges, check_shared_args
 from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
 from amp_recipes.compile import CompileMonitor, dynamo_plugin
 from amp_recipes.data import (
@@ -40,6 +40,7 @@ from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.metrics import load_metric
 from amp_recipes.optim import make_optimizer, training_schedule
+from amp_recipes.outputs import claim_output_dir
 from amp_recipes.precision import check_model_dtype, log_preflight, preflight, resolve_mixed_precision
 from amp_recipes.records import RunRecord, init_trackers, write_final_figures
 from amp_recipes.telemetry import ActivationMonitor, StepTelemetry
@@ -62,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--text_columns", help="Comma-separated text column(s) (default: sentence1,sentence2/sentence/text)."
     )
-    data.add_argument("--label_column", default="label", help="Label column; float labels mean regression.")
+    data.add_argument("--label_column", default="label", help="Label column of --train_file.")
+    data.add_argument(
+        "--label_type",
+        choices=["auto", "classification", "regression"],
+        default="auto",
+        help="auto: decimal labels (0.5) mean regression, integers and names classification.",
+    )
     data.add_argument("--max_seq_length", type=int, default=128)
     data.add_argument("--max_train_samples", type=int, help="Use only the first N training examples.")
     data.add_argument(
@@ -88,9 +95,13 @@ def parse_args(argv=None):
         parser.error("use either --task_name (GLUE) or --train_file/--validation_file (your data), not both.")
     if not args.task_name and not (args.train_file and args.validation_file):
         parser.error("give --task_name, or both --train_file and --validation_file.")
-    check_shared_args(parser, args)
-    if args.max_seq_length < 1:
-        parser.error("--max_seq_length must be at least 1.")
+    if args.task_name and args.text_columns:
+        parser.error("--text_columns names the columns of --train_file; a GLUE task has its own.")
+    check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
+    at_least_1 = (lambda v: v >= 1, "at least 1")
+    check_ranges(
+        parser, args, dict.fromkeys(["max_seq_length", "max_train_samples", "max_eval_samples"], at_least_1)
+    )
     args.output_dir = args.output_dir or os.path.join("outputs", args.task_name or "custom")
     return args
 
@@ -103,7 +114,13 @@ def load_data(args, tokenizer, accelerator):
             task = load_glue(args.task_name, args.data_dir)
         else:
             text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
-            task = load_user_files(args.train_file, args.validation_file, text_columns, args.label_column)
+            task = load_user_files(
+                args.train_file,
+                args.validation_file,
+                text_columns,
+                args.label_column,
+                label_type=args.label_type,
+            )
         task.splits["train"] = first_rows(task.splits["train"], args.max_train_samples)
         for split in task.eval_splits:
             task.splits[split] = first_rows(task.splits[split], args.max_eval_samples)
@@ -205,6 +222,7 @@ def main(argv=None):
     precision = preflight(accelerator, mixed_precision, auto_reason)
     log_preflight(precision, logger)
     precision_in_effect = precision["precision_in_effect"]
+    output = claim_output_dir(accelerator, args)  # refuses a folder that holds a run; locks it (PID)
     set_seed(args.seed)
 
     # ------------------------------------------------------------------------- data
@@ -263,6 +281,7 @@ def main(argv=None):
         "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
     }
     run_config = {**vars(args), **run_facts, **schedule._asdict()}
+    output.clear_previous_run(accelerator)  # --overwrite_output_dir: the old run's checkpoints go
     init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
     record = RunRecord(args.output_dir, accelerator.is_main_process, resumed["global_step"] or None)
     logger.info(f"Run config: {run_config}")
@@ -293,6 +312,7 @@ def main(argv=None):
         record.write_results({**results, "model_name_or_path": args.model_name_or_path})
         write_final_figures(accelerator, results, completed_steps)  # W&B run summary, TensorBoard
         accelerator.end_training()
+        output.release()
         return results
     preemption = PreemptionHandler()  # SIGTERM/SIGINT: stop after the current step, with a checkpoint
     progress = tqdm(
@@ -356,6 +376,7 @@ def main(argv=None):
                 logger.warning(preemption.stop_message(completed_steps, path))
                 preemption.restore()
                 accelerator.end_training()
+                output.release()
                 sys.exit(preemption.exit_code)
             if completed_steps >= schedule.max_train_steps:
                 break
@@ -375,14 +396,6 @@ def main(argv=None):
     telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: never saves spoiled weights
 
     # ------------------------------------------------------------------------- save
-    accelerator.wait_for_everyone()
-    # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
-    accelerator.unwrap_model(model).save_pretrained(
-        args.output_dir,
-        is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
-        state_dict=accelerator.get_state_dict(model),
-    )
     summary = {
         **results,
         **run_facts,
@@ -394,12 +407,21 @@ def main(argv=None):
         "fp16_range": activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
         **compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
     }
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
-        record.write_results(summary)  # written last: its presence means the run finished
+    with output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
+        # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
+        accelerator.unwrap_model(model).save_pretrained(
+            folder,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=accelerator.get_state_dict(model),
+        )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(folder)
+    record.write_results(summary)  # written last: its presence means the run finished
     write_final_figures(accelerator, summary, completed_steps)  # W&B run summary, TensorBoard
     logger.info(f"Saved model and eval_results.json to {args.output_dir}: {summary}")
     accelerator.end_training()
+    output.release()
     return summary
 
 

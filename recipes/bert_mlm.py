@@ -25,13 +25,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, get_scheduler
 
-from amp_recipes.arguments import add_shared_args, add_worker_args, check_shared_args
+from amp_recipes.arguments import add_shared_args, add_worker_args, check_ranges, check_shared_args
 from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
 from amp_recipes.compile import CompileMonitor, dynamo_plugin
 from amp_recipes.data import load_text_files, loader_settings, pad_multiple, tokenize_and_group
 from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.optim import make_optimizer, training_schedule
+from amp_recipes.outputs import claim_output_dir
 from amp_recipes.precision import check_model_dtype, log_preflight, preflight, resolve_mixed_precision
 from amp_recipes.records import RunRecord, init_trackers, write_final_figures
 from amp_recipes.telemetry import ActivationMonitor, StepTelemetry
@@ -69,9 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_shared_args(parser, args)
-    if args.max_seq_length < 8 or not 0 < args.mlm_probability < 1:
-        parser.error("--max_seq_length must be at least 8 and --mlm_probability in (0, 1).")
+    check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
+    ranges = {
+        "max_seq_length": (lambda v: v >= 8, "at least 8"),
+        "mlm_probability": (lambda v: 0 < v < 1, "in (0, 1)"),
+        "validation_split_percentage": (
+            lambda v: 0 < v < 100,
+            "between 0 and 100 (or give --validation_file)",
+        ),
+    }
+    check_ranges(parser, args, ranges)
     args.output_dir = args.output_dir or "outputs/mlm"
     return args
 
@@ -171,6 +179,7 @@ def main(argv=None):
     precision = preflight(accelerator, mixed_precision, auto_reason)
     log_preflight(precision, logger)
     precision_in_effect = precision["precision_in_effect"]
+    output = claim_output_dir(accelerator, args)  # refuses a folder that holds a run; locks it (PID)
     set_seed(args.seed)
 
     # ------------------------------------------------------------------------- data
@@ -223,6 +232,7 @@ def main(argv=None):
         "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
     }
     run_config = {**vars(args), **run_facts, **schedule._asdict()}
+    output.clear_previous_run(accelerator)  # --overwrite_output_dir: the old run's checkpoints go
     init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
     record = RunRecord(args.output_dir, accelerator.is_main_process, resumed["global_step"] or None)
     logger.info(f"Run config: {run_config}")
@@ -253,6 +263,7 @@ def main(argv=None):
         record.write_results({**results, "model_name_or_path": args.model_name_or_path})
         write_final_figures(accelerator, results, completed_steps)  # W&B run summary, TensorBoard
         accelerator.end_training()
+        output.release()
         return results
     preemption = PreemptionHandler()  # SIGTERM/SIGINT: stop after the current step, with a checkpoint
     progress = tqdm(
@@ -316,6 +327,7 @@ def main(argv=None):
                 logger.warning(preemption.stop_message(completed_steps, path))
                 preemption.restore()
                 accelerator.end_training()
+                output.release()
                 sys.exit(preemption.exit_code)
             if completed_steps >= schedule.max_train_steps:
                 break
@@ -335,14 +347,6 @@ def main(argv=None):
     telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: never saves spoiled weights
 
     # ------------------------------------------------------------------------- save
-    accelerator.wait_for_everyone()
-    # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
-    accelerator.unwrap_model(model).save_pretrained(
-        args.output_dir,
-        is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
-        state_dict=accelerator.get_state_dict(model),
-    )
     summary = {
         **results,
         **run_facts,
@@ -354,12 +358,21 @@ def main(argv=None):
         "fp16_range": activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
         **compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
     }
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(args.output_dir)
-        record.write_results(summary)  # written last: its presence means the run finished
+    with output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
+        # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
+        accelerator.unwrap_model(model).save_pretrained(
+            folder,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=accelerator.get_state_dict(model),
+        )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(folder)
+    record.write_results(summary)  # written last: its presence means the run finished
     write_final_figures(accelerator, summary, completed_steps)  # W&B run summary, TensorBoard
     logger.info(f"Saved model and eval_results.json to {args.output_dir}: {summary}")
     accelerator.end_training()
+    output.release()
     return summary
 
 

@@ -279,7 +279,8 @@ def run_arm(args, arm: str, work_dir: Path) -> dict:
         result = {
             "train_steps": out["train_steps"],
             "train_seconds": out["train_runtime_seconds"],
-            "train_tokens": out["train_tokens_per_second"] * out["train_runtime_seconds"],
+            # tokens/s times seconds gives back the integer count up to a rounding error in the last bit
+            "train_tokens": round(out["train_tokens_per_second"] * out["train_runtime_seconds"]),
             "peak_rss_bytes": out["peak_memory_bytes"],
             **{k: out[k] for k in ("eval_accuracy", "eval_f1") if k in out and not args.max_train_steps},
         }

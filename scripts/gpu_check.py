@@ -275,7 +275,8 @@ def main(argv=None) -> dict:
         command = [
             *(sys.executable, "recipes/bert_glue.py", "--task_name", "mrpc", "--data_dir", GLUE_DIR),
             *("--model_name_or_path", model, *sizes["finetune"], "--logging_steps", 1),
-            *("--mixed_precision", precision, "--output_dir", out / f"finetune_{arm}"),
+            *("--mixed_precision", precision),
+            *("--output_dir", out / f"finetune_{arm}", "--overwrite_output_dir"),  # a rerun replaces it
         ]
         step(f"finetune_{arm}", command)
         results = out / f"finetune_{arm}" / "eval_results.json"

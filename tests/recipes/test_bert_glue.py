@@ -212,102 +212,11 @@ def test_real_minilm_fine_tune_learns_mrpc(tmp_path):
     assert results["eval_f1"] >= 0.82, results
 
 
-# ----------------------------------------------------------------------------- bad input
+# ----------------------------------------------------------------------------- bad input (the matrix: test_bad_input.py)
 def write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--task_name", "mrcp"], "argument --task_name: invalid choice: 'mrcp'"),
-        (
-            ["--task_name", "mrpc", "--train_file", "a.csv", "--validation_file", "b.csv"],
-            "use either --task_name (GLUE) or --train_file/--validation_file (your data), not both.",
-        ),
-        (["--train_file", "a.csv"], "give --task_name, or both --train_file and --validation_file."),
-        (
-            ["--task_name", "mrpc", "--per_device_train_batch_size", "0"],
-            "--per_device_train_batch_size must be at least 1.",
-        ),
-        (
-            ["--task_name", "mrpc", "--mixed_precision", "fp8"],
-            "argument --mixed_precision: invalid choice: 'fp8'",
-        ),
-    ],
-)
-def test_bad_flags(recipe, capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        recipe.parse_args(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_bad_input_errors(recipe, tmp_path):
-    base = [
-        "--model_name_or_path",
-        str(TINY_BERT),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--max_train_steps",
-        "1",
-    ]
-    cases = [
-        (
-            ["--task_name", "mrpc", "--data_dir", str(tmp_path / "nowhere")],
-            r"No GLUE files for mrpc under .*nowhere",
-        ),
-        (
-            [
-                "--train_file",
-                str(tmp_path / "missing.csv"),
-                "--validation_file",
-                str(tmp_path / "missing.csv"),
-            ],
-            r"Data file .*missing.csv does not exist",
-        ),
-    ]
-    write(tmp_path / "cols.csv", "body,label\nhello,1\nbye,0\n")
-    cases.append(
-        (
-            ["--train_file", str(tmp_path / "cols.csv"), "--validation_file", str(tmp_path / "cols.csv")],
-            r"no text columns found .*found \['body', 'label'\]",
-        )
-    )
-    write(tmp_path / "train.csv", "text,label\nhello,pos\nbye,neg\n")
-    write(tmp_path / "dev.csv", "text,label\nhi,neutral\n")
-    cases.append(
-        (
-            ["--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "dev.csv")],
-            r"label 'neutral' is not one of \['neg', 'pos'\]",
-        )
-    )
-    rte = tmp_path / "glue" / "RTE"
-    write(rte / "train.tsv", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tmaybe\n")
-    write(rte / "dev.tsv", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n")
-    cases.append(
-        (["--task_name", "rte", "--data_dir", str(tmp_path / "glue")], r"label 'maybe' is not one of")
-    )
-    cases.append(
-        (
-            ["--task_name", "mrpc", "--data_dir", str(GLUE_DIR), "--max_seq_length", "4096"],
-            r"--max_seq_length 4096 is longer than the model's limit of 512",
-        )
-    )
-    for argv, message in cases:
-        with pytest.raises(recipe.InputError, match=message):
-            recipe.main([*base, *argv])
-
-
-def test_model_that_cannot_be_found(recipe, tmp_path):
-    argv = ["--task_name", "mrpc", "--data_dir", str(GLUE_DIR), "--output_dir", str(tmp_path / "out")]
-    for model in ("bert-base-uncased", str(tmp_path / "no-such-model")):
-        with pytest.raises(
-            recipe.InputError, match=r"Could not load model .* Offline\? Pass a local directory"
-        ):
-            recipe.main([*argv, "--model_name_or_path", model])
 
 
 def test_classifier_head_with_the_wrong_number_of_labels(recipe, tmp_path):

@@ -218,7 +218,7 @@ def test_bad_checkpoints_each_say_what_is_wrong(recipe, fp32_checkpoint, tmp_pat
             r"no complete checkpoint in .*empty/checkpoints; drop the flag to start a fresh run",
         ),
         (
-            [*base, "--resume_from_checkpoint", str(tmp_path / "nowhere")],
+            [*base, "--resume_from_checkpoint", str(fp32_checkpoint / "checkpoints" / "nowhere")],
             r"Checkpoint .*nowhere does not exist",
         ),
         (

@@ -1,0 +1,238 @@
+"""The output directory a run owns: who may write into it, and how the final model gets there.
+
+- A folder that holds something (a finished run, checkpoints, anything) is only written into with
+  `--overwrite_output_dir`, or by a run that resumes from a checkpoint of that folder; as in
+  transformers' `run_glue.py`, nothing is replaced silently.
+- A lock file (`.amp-recipes.lock`: PID, host, start time) stops a second run on the same folder
+  while the first one lives. A lock left by a killed run (its PID no longer running on this host)
+  is reported and taken over; one from another host cannot be checked and is reported.
+- The final model is written to `.final.tmp/` inside it, then renamed into place file by file,
+  and `eval_results.json` (which says "this run finished") is written last: a kill or a full
+  disk while the model is written leaves the previous run complete; during the renames
+  (microseconds), the folder has no `eval_results.json`, so it never looks finished with half of a
+  model in it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from accelerate.logging import get_logger
+
+from .errors import CheckpointError, InputError
+from .records import fsync_dir
+
+LOCK = ".amp-recipes.lock"
+FINAL_STAGING = ".final.tmp"
+RESULTS = "eval_results.json"
+# transformers' weight files: a new final model replaces all of the old one's (sharded or not).
+WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin*")
+logger = get_logger(__name__)
+_held: dict[Path, OutputDir] = {}  # this process's locks, released at exit if the run did not
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class OutputDir:
+    """The run's claim on `--output_dir` (every process holds one; only the main one writes)."""
+
+    def __init__(self, path: Path, is_main_process: bool, overwrite: bool):
+        self.path, self.is_main_process, self.overwrite = path, is_main_process, overwrite
+        self.lock = path / LOCK
+        self.created = False
+        self.held = False
+
+    # ------------------------------------------------------------------ claim
+    def claim(self, resume_from_checkpoint: str | None) -> OutputDir:
+        if not self.is_main_process:
+            return self
+        if self.path.exists() and not self.path.is_dir():
+            raise InputError(f"--output_dir {self.path} is a file; give a directory.")
+        try:
+            self.created = not self.path.exists()
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise InputError(
+                f"Cannot create --output_dir {self.path} ({error.strerror}); give a directory you can write to."
+            ) from None
+        self._take_lock()
+        try:
+            self._check_reuse(resume_from_checkpoint)
+        except InputError:
+            self.release()
+            raise
+        return self
+
+    def _take_lock(self) -> None:
+        mine = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        # Written whole to a file of our own, then hard-linked as the lock: creating the link is
+        # atomic and fails when a lock exists, so no run ever reads a half-written lock.
+        mine_file = self.path / f"{LOCK}.{os.getpid()}"
+        try:
+            mine_file.write_text(json.dumps(mine))
+            for _ in range(2):
+                try:
+                    os.link(mine_file, self.lock)
+                except FileExistsError:
+                    self._handle_existing_lock(mine)
+                    continue
+                self.held = True
+                _held[self.path] = self
+                return
+        except OSError as error:
+            raise InputError(
+                f"Cannot write to --output_dir {self.path} ({error.strerror}); give a directory you can write to."
+            ) from None
+        finally:
+            mine_file.unlink(missing_ok=True)
+        raise InputError(f"Could not take the lock {self.lock}: another run took it at the same moment.")
+
+    def _handle_existing_lock(self, mine: dict) -> None:
+        try:
+            owner = json.loads(self.lock.read_text())
+            pid, host = int(owner["pid"]), str(owner["host"])
+        except (OSError, ValueError, KeyError, TypeError):
+            owner, pid, host = {}, None, None
+        if pid is None:
+            logger.warning(f"Removing the unreadable lock {self.lock}.", main_process_only=False)
+        elif host != mine["host"]:
+            raise InputError(
+                f"{self.path} is locked by PID {pid} on host {host} (since {owner.get('started')}), which "
+                f"cannot be checked from here; if that run is over, delete {self.lock}."
+            )
+        elif pid == mine["pid"]:
+            pass  # an earlier main() of this process stopped with an error (a notebook, a test)
+        elif _pid_running(pid):
+            raise InputError(
+                f"Another run (PID {pid}, started {owner.get('started')}) is using {self.path}; wait for "
+                "it to finish or give another --output_dir."
+            )
+        else:
+            logger.warning(
+                f"Removing the stale lock {self.lock}: PID {pid} (started {owner.get('started')}) is no "
+                "longer running.",
+                main_process_only=False,
+            )
+        self.lock.unlink(missing_ok=True)
+
+    def _check_reuse(self, resume_from_checkpoint: str | None) -> None:
+        contents = sorted(p.name for p in self.path.iterdir() if p.name not in (LOCK, FINAL_STAGING))
+        if not contents or self.overwrite:
+            return
+        if resume_from_checkpoint == "latest" or (
+            resume_from_checkpoint and self.path.resolve() in Path(resume_from_checkpoint).resolve().parents
+        ):
+            return  # a resumed run continues what is there
+        if RESULTS in contents:
+            raise InputError(
+                f"{self.path} holds a finished run ({RESULTS}); pass --overwrite_output_dir to replace it, "
+                "or give another --output_dir."
+            )
+        if "checkpoints" in contents:
+            raise InputError(
+                f"{self.path} holds an unfinished run with checkpoints; pass --resume_from_checkpoint latest "
+                "to continue it, --overwrite_output_dir to start again, or give another --output_dir."
+            )
+        raise InputError(
+            f"{self.path} is not empty (it holds {', '.join(contents[:3])}{', ...' if len(contents) > 3 else ''}); "
+            "pass --overwrite_output_dir to write into it anyway, or give another --output_dir."
+        )
+
+    # ------------------------------------------------------------------ the run
+    def clear_previous_run(self, accelerator) -> None:
+        """--overwrite_output_dir, once every input has been checked: the old run's checkpoints go
+        (a later `--resume_from_checkpoint latest` must not find them); its final model stays until
+        the new one replaces it."""
+        if self.overwrite and self.is_main_process and (self.path / "checkpoints").exists():
+            shutil.rmtree(self.path / "checkpoints")
+            logger.info(f"--overwrite_output_dir: removed the previous run's checkpoints from {self.path}")
+        accelerator.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def final_model(self, accelerator):
+        """`with output.final_model(accelerator) as folder:` save the model and tokenizer into
+        `folder` (<output_dir>/.final.tmp); when the block ends they are renamed into place. A
+        failure (full disk) leaves the previous run's files as they were. All processes enter it
+        (FSDP / ZeRO-3 gather the weights)."""
+        staging = self.path / FINAL_STAGING
+        if self.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving
+            staging.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        try:
+            yield staging
+            accelerator.wait_for_everyone()
+            if self.is_main_process:
+                for path in staging.iterdir():
+                    with open(path, "rb") as handle:
+                        os.fsync(handle.fileno())
+        # safetensors and plain writes report a full disk as OSError(ENOSPC), torch.save as RuntimeError.
+        except (OSError, RuntimeError) as error:
+            if self.is_main_process:
+                shutil.rmtree(staging, ignore_errors=True)
+            reason = (
+                "the disk is full"
+                if getattr(error, "errno", None) == errno.ENOSPC
+                else str(error).splitlines()[0]
+            )
+            raise CheckpointError(
+                f"Could not write the final model to {self.path} ({reason}); the final model that was there "
+                "before, if any, is unchanged."
+            ) from error
+        if self.is_main_process:
+            (self.path / RESULTS).unlink(missing_ok=True)  # from here on the folder is not "finished"
+            for pattern in WEIGHT_PATTERNS:
+                for old in self.path.glob(pattern):
+                    if not (staging / old.name).exists():
+                        old.unlink()  # the previous model's other shards
+            for path in staging.iterdir():
+                os.replace(path, self.path / path.name)
+            staging.rmdir()
+            fsync_dir(self.path)
+        accelerator.wait_for_everyone()
+
+    def release(self) -> None:
+        """Remove the lock (and the folder, if this run created it and left it empty)."""
+        if not self.held:
+            return
+        self.lock.unlink(missing_ok=True)
+        self.held = False
+        _held.pop(self.path, None)
+        if self.created:
+            try:
+                self.path.rmdir()  # only when empty
+            except OSError:
+                pass
+
+
+def claim_output_dir(accelerator, args) -> OutputDir:
+    """Check that this run may write into --output_dir and lock it for the run (main process)."""
+    output = OutputDir(Path(args.output_dir), accelerator.is_main_process, args.overwrite_output_dir)
+    return output.claim(args.resume_from_checkpoint)
+
+
+@atexit.register
+def release_held() -> None:
+    """At exit (an error, a signal's SystemExit): the locks this process still holds."""
+    for output in list(_held.values()):
+        output.release()
