@@ -11,7 +11,6 @@ Layout: <output_dir>/checkpoints/{checkpoint-<step>/, latest}
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from .errors import CheckpointError
+from .errors import WRITE_ERRORS, CheckpointError, write_failure
 from .records import fsync_dir, write_json_atomic
 
 MARKER = "amp_checkpoint.json"  # written last: a folder without it is not a checkpoint
@@ -83,16 +82,14 @@ def save_checkpoint(
             os.replace(checkpoints_dir / f".{LATEST}.tmp", checkpoints_dir / LATEST)
             fsync_dir(checkpoints_dir)
             rotate(checkpoints_dir, save_total_limit)
-    # torch.save reports a full disk as a RuntimeError ("PytorchStreamWriter failed writing file"),
-    # safetensors and plain writes as OSError(ENOSPC).
-    except (OSError, RuntimeError) as error:
+    except WRITE_ERRORS as error:  # a full disk, a file-size limit, a lost mount
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
         previous = complete_checkpoints(checkpoints_dir)
         kept = f"{previous[-1]} is intact" if previous else "there is no earlier checkpoint"
-        disk_full = getattr(error, "errno", None) == errno.ENOSPC or "failed writing file" in str(error)
-        reason = "the disk is full" if disk_full else str(error).splitlines()[0]
-        raise CheckpointError(f"Could not write the checkpoint of step {step} ({reason}); {kept}.") from error
+        raise CheckpointError(
+            f"Could not write the checkpoint of step {step} ({write_failure(error)}); {kept}."
+        ) from error
     accelerator.wait_for_everyone()
     logger.info(f"Saved checkpoint {final}", main_process_only=True)
     return final

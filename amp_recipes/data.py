@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import hashlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import datasets
 import torch
-from transformers import DataCollatorWithPadding
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from .errors import InputError
@@ -627,6 +628,28 @@ def pad_multiple(mixed_precision: str) -> int | None:
 
 def make_collator(tokenizer, mixed_precision: str):
     return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(mixed_precision))
+
+
+class SeededMaskCollator(DataCollatorForLanguageModeling):
+    """transformers' masked-LM collator (BERT-style masks) whose masks are drawn from a generator
+    seeded by the run's seed and the batch's own tokens.
+
+    The stock collator draws from the global RNG (or one generator stream), and accelerate's
+    DataLoader builds each batch one step ahead, so a checkpoint's RNG state already holds the next
+    batch's masks: a resumed run would mask differently, and its dropout would shift too. Keyed on
+    the tokens, a batch gets the same masks wherever and whenever it is built (one batch ahead, in a
+    worker, after a resume, in each evaluation), and the global RNG stays the training's alone."""
+
+    def __init__(self, tokenizer, mlm_probability: float, pad_to_multiple_of: int | None, seed: int):
+        super().__init__(tokenizer, mlm_probability=mlm_probability, pad_to_multiple_of=pad_to_multiple_of)
+        self.mask_seed = seed
+
+    def torch_call(self, examples):
+        digest = hashlib.blake2b(str(self.mask_seed).encode(), digest_size=8)
+        for example in examples:
+            digest.update(torch.as_tensor(example["input_ids"], dtype=torch.int64).numpy().tobytes())
+        self.generator = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
+        return super().torch_call(examples)
 
 
 def loader_settings(accelerator, collator, num_workers: int | None) -> dict:

@@ -1,7 +1,10 @@
 """The errors a recipe reports as one sentence (`error: ...`, exit 1) instead of a traceback."""
 
 import contextlib
+import errno
 import os
+
+from safetensors import SafetensorError
 
 
 class InputError(ValueError):
@@ -14,6 +17,21 @@ class CheckpointError(InputError):
 
 class TrainingDiverged(RuntimeError):
     """The run stopped itself because the loss or gradients are no longer finite."""
+
+
+# What a failed write raises: OSError (plain files), RuntimeError (torch.save: "PytorchStreamWriter
+# failed writing file", "unexpected pos"), SafetensorError (safetensors, a plain Exception).
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+def write_failure(error: BaseException) -> str:
+    """Why a write failed, in a few words (a full disk said so, whichever library reported it)."""
+    text = str(error)
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in text or "os error 28" in text:
+        return "the disk is full"
+    if "failed writing file" in text:  # torch.save's words for ENOSPC
+        return "the disk is full"
+    return text.splitlines()[0] if text.strip() else type(error).__name__
 
 
 def check_model_path(model_name_or_path: str) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from .errors import CheckpointError, InputError
+from .errors import WRITE_ERRORS, CheckpointError, InputError, write_failure
 from .records import fsync_dir
 
 LOCK = ".amp-recipes.lock"
@@ -186,18 +185,12 @@ class OutputDir:
                 for path in staging.iterdir():
                     with open(path, "rb") as handle:
                         os.fsync(handle.fileno())
-        # safetensors and plain writes report a full disk as OSError(ENOSPC), torch.save as RuntimeError.
-        except (OSError, RuntimeError) as error:
+        except WRITE_ERRORS as error:  # a full disk, a file-size limit, a lost mount
             if self.is_main_process:
                 shutil.rmtree(staging, ignore_errors=True)
-            reason = (
-                "the disk is full"
-                if getattr(error, "errno", None) == errno.ENOSPC
-                else str(error).splitlines()[0]
-            )
             raise CheckpointError(
-                f"Could not write the final model to {self.path} ({reason}); the final model that was there "
-                "before, if any, is unchanged."
+                f"Could not write the final model to {self.path} ({write_failure(error)}); the final model "
+                "that was there before, if any, is unchanged."
             ) from error
         if self.is_main_process:
             (self.path / RESULTS).unlink(missing_ok=True)  # from here on the folder is not "finished"

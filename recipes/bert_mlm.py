@@ -23,12 +23,18 @@ from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling, get_scheduler
+from transformers import AutoModelForMaskedLM, AutoTokenizer, get_scheduler
 
 from amp_recipes.arguments import add_shared_args, add_worker_args, check_ranges, check_shared_args
 from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
 from amp_recipes.compile import CompileMonitor, dynamo_plugin
-from amp_recipes.data import load_text_files, loader_settings, pad_multiple, tokenize_and_group
+from amp_recipes.data import (
+    SeededMaskCollator,
+    load_text_files,
+    loader_settings,
+    pad_multiple,
+    tokenize_and_group,
+)
 from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.optim import make_optimizer, training_schedule
@@ -96,12 +102,14 @@ def load_data(args, tokenizer, accelerator):
             args.seed,
         )
         blocks = tokenize_and_group(splits, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
-    # Masks BERT-style (80% [MASK], 10% random, 10% kept) as batches are built.
+    # Masks BERT-style (80% [MASK], 10% random, 10% kept) as batches are built, drawn from the seed
+    # and each batch's tokens: a resumed run masks every batch as an uninterrupted one does.
     # AMP: fp16/bf16 batches (a last, shorter block) are padded to a multiple of 8, for Tensor Cores.
-    collator = DataCollatorForLanguageModeling(
+    collator = SeededMaskCollator(
         tokenizer,
         mlm_probability=args.mlm_probability,
         pad_to_multiple_of=pad_multiple(accelerator.mixed_precision),
+        seed=args.seed,
     )
     loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)
     train_dataloader = DataLoader(
@@ -113,11 +121,9 @@ def load_data(args, tokenizer, accelerator):
         generator=torch.Generator().manual_seed(args.seed),
         **loader_kwargs,
     )
-    # Evaluation masks are drawn in this process (no workers), where evaluate() seeds them: worker
-    # processes would draw from their own RNGs, and two evaluations of the same weights would differ.
-    eval_kwargs = {**loader_kwargs, "num_workers": 0, "persistent_workers": False}
+    # The same collator: every evaluation masks the held-out blocks the same way.
     eval_dataloader = DataLoader(
-        blocks["validation"], batch_size=args.per_device_eval_batch_size, **eval_kwargs
+        blocks["validation"], batch_size=args.per_device_eval_batch_size, **loader_kwargs
     )
     logger.info(
         f"mlm: {blocks['train'].num_rows} training and {blocks['validation'].num_rows} held-out blocks "
@@ -127,15 +133,16 @@ def load_data(args, tokenizer, accelerator):
 
 
 # ----------------------------------------------------------------------------- evaluate
-def evaluate(model, dataloader, accelerator, seed):
-    """Masked-LM loss (mean over masked tokens) and perplexity on the held-out blocks. The masks
-    are drawn from a fixed seed, so every evaluation scores the same masked tokens."""
+def evaluate(model, dataloader, accelerator):
+    """Masked-LM loss (mean over masked tokens) and perplexity on the held-out blocks. Their masks
+    come from the seed and the blocks' tokens, so every evaluation scores the same masked tokens."""
     model.eval()
-    cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     loss_sum = torch.zeros((), device=accelerator.device)
     masked = torch.zeros((), device=accelerator.device)
+    # fork_rng: iterating a DataLoader draws from the global RNG, and evaluating must not change
+    # the dropout and shuffling that training sees next (same run, whatever --eval_steps is).
+    cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda_devices), torch.inference_mode():
-        torch.manual_seed(seed)
         for batch in dataloader:
             loss = model(**batch).loss.float()
             count = (batch["labels"] != -100).sum()
@@ -242,7 +249,7 @@ def main(argv=None):
 
     def run_evaluation(step, epoch):  # every eval split, logged; its time stays out of the throughput
         with meter.paused():
-            scores = evaluate(model, eval_dataloader, accelerator, args.seed)
+            scores = evaluate(model, eval_dataloader, accelerator)
         results = {"epoch": epoch, **{f"eval_{name}": value for name, value in scores.items()}}
         logger.info(f"step {step}: {results}")
         accelerator.log(results, step=step)

@@ -165,3 +165,44 @@ class Fp16OnCpu(Accelerator):
         self.native_amp = True
         settings = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
         self.scaler = torch.amp.GradScaler("cpu", **{"init_scale": 2.0**14, "growth_interval": 3, **settings})
+
+
+# ----------------------------------------------------------------------------- exact resume
+def history(output_dir) -> list[dict]:
+    return [row for row in log_history(output_dir) if "loss" in row]
+
+
+def final_weights(output_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(output_dir) / "model.safetensors"))
+
+
+def assert_same_training(a, b, keys=("loss", "learning_rate")):
+    """Two runs logged the same steps with the same figures and saved the same weights, bit for bit."""
+    rows_a, rows_b = history(a), history(b)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for key in keys:
+        assert [r[key] for r in rows_a] == [r[key] for r in rows_b], key  # bit for bit
+    weights_a, weights_b = final_weights(a), final_weights(b)
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+def stop_at(step):
+    """A PreemptionHandler for a recipe (monkeypatched in): a SIGTERM "arrives" before optimizer
+    step `step` (-1: never)."""
+    from amp_recipes.checkpoint import PreemptionHandler
+
+    class StopAt(PreemptionHandler):
+        def __init__(self):
+            self.calls, self.signal_name = 0, "SIGTERM"
+
+        def should_stop(self, accelerator, step):
+            self.calls += 1
+            return self.calls == step
+
+        def restore(self):
+            pass
+
+    return StopAt

@@ -1,5 +1,6 @@
 """Checkpoints of recipes/bert_glue.py: exact resume, kill -9, SIGTERM, bad checkpoints, rotation."""
 
+import contextlib
 import errno
 import json
 import signal
@@ -15,44 +16,26 @@ from conftest import (
     RECIPES,
     REPO,
     Fp16OnCpu,
+    assert_same_training,
     glue_flags,
-    log_history,
+    history,
     minilm_path,
     offline_env,
     run,
+    stop_at,
     train,
 )
-from safetensors.torch import load_file
 
 from amp_recipes.checkpoint import (
     LATEST,
     MARKER,
     CheckpointError,
-    PreemptionHandler,
     complete_checkpoints,
     rotate,
     save_checkpoint,
 )
 
 TINY = glue_flags(learning_rate=1e-3, logging_steps=1, seed=7)
-
-
-def history(output_dir):
-    return [row for row in log_history(output_dir) if "loss" in row]
-
-
-def final_weights(output_dir):
-    return load_file(str(Path(output_dir) / "model.safetensors"))
-
-
-def assert_same_training(a, b, keys=("loss", "learning_rate")):
-    rows_a, rows_b = history(a), history(b)
-    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
-    for key in keys:
-        assert [r[key] for r in rows_a] == [r[key] for r in rows_b], key  # bit for bit
-    weights_a, weights_b = final_weights(a), final_weights(b)
-    assert weights_a.keys() == weights_b.keys()
-    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
 # ----------------------------------------------------------------------------- subprocess: signals
@@ -134,19 +117,6 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
 
 
 # ----------------------------------------------------------------------------- in process
-def stop_at(step):
-    class StopAt(PreemptionHandler):  # a SIGTERM "arrives" before optimizer step `step`
-        def __init__(self):
-            self.calls, self.signal_name = 0, "SIGTERM"
-
-        def should_stop(self, accelerator, step):
-            self.calls += 1
-            return self.calls == step
-
-        def restore(self):
-            pass
-
-    return StopAt
 
 
 def test_fp16_resume_keeps_loss_scale_and_growth_tracker(recipe, tmp_path, monkeypatch):
@@ -187,6 +157,78 @@ def test_fp16_resume_keeps_loss_scale_and_growth_tracker(recipe, tmp_path, monke
     assert scalers[0]["_growth_tracker"] == scalers[1]["_growth_tracker"]
     record = json.loads((tmp_path / "resumed" / "checkpoints" / "checkpoint-24" / MARKER).read_text())
     assert record["grad_scaler"]["scale"] == scalers[0]["scale"] and record["mixed_precision"] == "fp16"
+
+
+@contextlib.contextmanager
+def file_size_limit(limit_bytes):
+    """A real kernel limit on the size of any file this process writes (RLIMIT_FSIZE): a write past
+    it fails with EFBIG, whichever library writes (safetensors raises SafetensorError, torch.save
+    RuntimeError), the error paths a full disk takes, without filling a disk. SIGXFSZ is ignored
+    meanwhile (by default the kernel would kill the process instead)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def limited_from_call(function, call):
+    """`function`, writing under a 1 MiB file-size limit from its `call`-th call on."""
+    calls = 0
+
+    def wrapper(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls < call:
+            return function(*args, **kwargs)
+        with file_size_limit(2**20):  # the tiny BERT's weights alone are ~4 MB
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_real_write_failure_during_a_checkpoint_keeps_the_previous_one(recipe, tmp_path, monkeypatch):
+    import accelerate
+
+    monkeypatch.setattr(
+        accelerate.Accelerator, "save_state", limited_from_call(accelerate.Accelerator.save_state, 2)
+    )
+    output_dir = tmp_path / "out"
+    argv = [*TINY, "--max_train_samples", 32, "--max_train_steps", 4, "--checkpointing_steps", 2]
+    checkpoints = output_dir / "checkpoints"
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^Could not write the checkpoint of step 4 \(.*File too large.*\); {checkpoints}/checkpoint-2 is intact\.$",
+    ):
+        train(recipe, [*argv, "--output_dir", output_dir])
+    assert [p.name for p in complete_checkpoints(checkpoints)] == ["checkpoint-2"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2", LATEST]  # no .tmp-* left
+
+
+def test_a_real_write_failure_during_the_final_save_keeps_the_previous_model(recipe, tmp_path, monkeypatch):
+    import transformers
+
+    real = transformers.PreTrainedModel.save_pretrained
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", limited_from_call(real, 1))
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    previous = {"model.safetensors": b"the previous run's weights", "eval_results.json": b"{}"}
+    for name, content in previous.items():
+        (output_dir / name).write_bytes(content)
+    argv = [*TINY, "--max_train_samples", 32, "--max_train_steps", 2, "--overwrite_output_dir"]
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^Could not write the final model to {output_dir} \(.*File too large.*\); the final model that "
+        r"was there before, if any, is unchanged\.$",
+    ):
+        train(recipe, [*argv, "--output_dir", output_dir])
+    assert {name: (output_dir / name).read_bytes() for name in previous} == previous
+    assert not (output_dir / ".final.tmp").exists()
 
 
 @pytest.fixture

@@ -3,9 +3,10 @@
 
 import json
 import re
-import shutil
 import subprocess
 import sys
+from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY_BERT, run
@@ -27,9 +28,11 @@ def test_ls_lists_every_recipe_with_what_it_does_and_its_command(tmp_path):
     assert lines[2].startswith("bert_mlm") and "masked-language-model" in lines[2]
     assert lines[3].strip().startswith("accelerate launch recipes/bert_mlm.py")
     assert len(lines) == 4
-    console = shutil.which("amp-recipes")  # the installed entry point gives the same listing
-    if console:
-        assert sh([console, "ls"], tmp_path).stdout == listing.stdout
+    # The installed console script (requirements.txt installs the package) gives the same listing.
+    (entry,) = [e for e in entry_points(group="console_scripts") if e.name == "amp-recipes"]
+    assert entry.value == "amp_recipes.cli:main"
+    console = Path(sys.executable).parent / "amp-recipes"
+    assert sh([console, "ls"], tmp_path).stdout == listing.stdout
 
 
 def test_cp_copies_refuses_to_overwrite_and_says_what_to_run(tmp_path):

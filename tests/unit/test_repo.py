@@ -27,6 +27,62 @@ def test_every_recipe_flag_is_in_the_readme(recipe):
     assert not missing, f"flags of {recipe} missing from README.md: {sorted(missing)}"
 
 
+def documented_defaults(section_title: str) -> dict[str, str]:
+    """{flag: its default as the README's flag table under `section_title` writes it}."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index(section_title) :]
+    table = section[section.index("\n|") : section.index("\n\n", section.index("\n|"))]
+    defaults = {}
+    for row in table.strip().splitlines()[2:]:
+        flags_cell, default_cell = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        flags = re.findall(r"`(--[a-z0-9_]+)`", flags_cell)
+        inside = re.search(r"\((.*)\)", default_cell)  # "torch's (65536, 2000, 2.0, 0.5)"
+        values = (
+            (inside.group(1) if inside else default_cell).split(", ") if len(flags) > 1 else [default_cell]
+        )
+        values = values * len(flags) if len(values) == 1 else values  # one default for all of them
+        assert len(values) == len(flags), row
+        defaults.update(zip(flags, (value.strip("`") for value in values), strict=True))
+    return defaults
+
+
+@pytest.mark.parametrize(
+    "recipe, section",
+    [("bert_glue", "### Flags of `recipes/bert_glue.py`"), ("bert_mlm", "## Domain-adaptive")],
+)
+def test_the_readme_gives_each_flag_the_parsers_default(recipe, section):
+    parser = load_recipe(recipe).build_parser()
+    actual = {action.option_strings[0]: action.default for action in parser._actions if action.option_strings}
+    unset = {
+        "—",
+        "off",
+        "all",
+        "unset",
+        "auto",
+        "outputs/<task>",
+        "$GLUE_DIR",
+        "2 on CUDA, else 0",
+        "main process",
+    }
+    for flag, written in documented_defaults(section).items():
+        default = actual[flag]
+        if flag == "--data_dir":
+            assert written == "$GLUE_DIR", written  # the parser reads the variable
+        elif default is None or default is False:
+            assert written in unset, (flag, written)
+        elif isinstance(default, (int, float)):
+            assert float(written) == default, (flag, written, default)
+        else:
+            assert written == default, (flag, written, default)
+    if recipe == "bert_mlm":  # its own defaults for shared flags, written in a sentence
+        readme = (REPO / "README.md").read_text()
+        parsed = vars(load_recipe(recipe).parse_args(["--train_file", "notes.txt"]))
+        for flag in ("--learning_rate", "--num_train_epochs", "--output_dir"):
+            written = re.search(rf"`{flag} ([^`]+)`", readme[readme.index("Defaults that differ") :]).group(1)
+            value = parsed[flag[2:]]
+            assert written == value if isinstance(value, str) else float(written) == value, (flag, written)
+
+
 def precision_lines(path, only_main=False) -> list[str]:
     """The lines `grep -n "AMP:"` lists: the recipe's precision-specific lines (or their comments)."""
     text = path.read_text()
@@ -73,7 +129,7 @@ def test_every_precision_line_is_marked_for_grep(recipe):
     calls = [
         *PRECISION_CALLS,
         "dtype=torch.float32",
-        "= DataCollatorForLanguageModeling(" if recipe == "bert_mlm" else "make_collator(",
+        "= SeededMaskCollator(" if recipe == "bert_mlm" else "make_collator(",
     ]
     unmarked = [call for call in calls if not marked(lines, call)]
     assert not unmarked, f"{recipe}.py: precision lines without '# AMP:': {unmarked}"
