@@ -79,6 +79,14 @@ def run(cmd, tmp_path, timeout=600, cwd=REPO, **env):
     )
 
 
+def missing_tool(what: str):
+    """A tool a test needs is not installed: a skip on a developer's machine, a failure under CI
+    (`.ci/run` sets CI=true), where requirements-dev.txt installs every one of them."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing under CI: requirements-dev.txt installs it")
+    pytest.skip(f"{what} not installed (pip install -r requirements-dev.txt)")
+
+
 def accelerate_launch(*args):
     return [sys.executable, "-m", "accelerate.commands.launch", *args]
 

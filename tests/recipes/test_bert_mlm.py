@@ -55,12 +55,14 @@ def test_the_training_batches_are_masked_bert_style(mlm, corpus):
 
 def test_masked_lm_loss_decreases_and_the_model_fine_tunes(mlm, recipe, corpus, tmp_path):
     argv = ["--train_file", corpus / "sst2.txt", "--model_name_or_path", TINY_BERT, "--max_seq_length", 64]
-    argv += ["--per_device_train_batch_size", 16, "--learning_rate", 2e-3, "--max_train_steps", 60]
-    argv += ["--eval_steps", 20, "--logging_steps", 10, "--output_dir", tmp_path / "mlm"]
+    argv += ["--per_device_train_batch_size", 16, "--learning_rate", 2e-3, "--max_train_steps", 40]
+    argv += ["--eval_steps", 10, "--logging_steps", 10, "--output_dir", tmp_path / "mlm"]
     results = train(mlm, argv)
     evals = [row for row in log_history(tmp_path / "mlm") if "eval_loss" in row]
-    assert [row["step"] for row in evals] == [20, 40, 60]  # every 20 steps; the epoch's end is one of them
-    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.5  # it learns the corpus
+    assert [row["step"] for row in evals] == [10, 20, 30, 40]  # every 10 steps; the run's end is one of them
+    assert (
+        evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.5
+    )  # it learns the corpus (measured: 10.04 -> 9.24)
     assert results["eval_perplexity"] == pytest.approx(math.exp(results["eval_loss"]))
     assert results["eval_masked_tokens"] > 100 and results["precision_in_effect"] == "fp32"
 

@@ -83,6 +83,24 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
     assert_same_training(tmp_path / "reference", output_dir)
 
 
+def test_ctrl_c_stops_after_the_step_with_130_and_a_second_one_at_once(tmp_path):
+    """SIGINT is recorded (the loop stops after its step and exits 130, as the SIGTERM test shows
+    for 143); a second SIGINT gets the default action: the process ends at once."""
+    code = (
+        "import os, signal\n"
+        "from amp_recipes.checkpoint import PreemptionHandler\n"
+        "class OneProcess: num_processes = 1\n"
+        "handler = PreemptionHandler()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print(handler.should_stop(OneProcess(), 1), handler.exit_code, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('still running', flush=True)\n"
+    )
+    done = run([sys.executable, "-c", code], tmp_path)
+    assert done.stdout == "True 130\n", done.stdout + done.stderr
+    assert done.returncode == -signal.SIGINT
+
+
 def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     output_dir = tmp_path / "out"
     args = [

@@ -4,7 +4,7 @@ holds their figures and ratios (tiny model; the real comparison is a benchmark, 
 import json
 import sys
 
-from conftest import GLUE_DIR, REPO, TINY_BERT, run
+from conftest import GLUE_DIR, REPO, TINY_BERT, load_module, run
 
 
 def test_arms_run_and_report(tmp_path):
@@ -17,24 +17,16 @@ def test_arms_run_and_report(tmp_path):
     ]
     command += ["--model_name_or_path", TINY_BERT, "--data_dir", GLUE_DIR, "--max_train_steps", 4]
     command += ["--per_device_train_batch_size", 8, "--max_seq_length", 384, "--output_dir", output_dir]
-    command += ["--repeats", 2]
+    command += ["--repeats", 1]  # the order of repeats and the paired ratios: the test below
     done = run(command, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((output_dir / "results.json").read_text())
     arms = ["recipe", "bare", "trainer", "trainer_padded"]
     assert list(report["summary"]) == arms
-    order = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("repeat ")]
-    assert order == [f"repeat 1/2 {arm}" for arm in arms] + [f"repeat 2/2 {arm}" for arm in arms[::-1]]
     for arm, figures in report["summary"].items():
         assert figures["train_steps"] == 4, arm
         assert figures["train_seconds"] > 0 and figures["wall_seconds"] > figures["train_seconds"], arm
         assert figures["peak_rss_bytes"] > 0, arm
-        runs = report["runs"][arm]
-        ratios = sorted(
-            a["step_seconds"] / b["step_seconds"] for a, b in zip(runs, report["runs"]["recipe"], strict=True)
-        )
-        assert figures["paired_step_ratio"] == sum(ratios) / 2  # the median of two
-    assert report["summary"]["recipe"]["paired_step_ratio"] == 1.0
     # The same dynamic padding in the recipe, the bare loop and Trainer; run_glue.py's pads every
     # sequence to max_seq_length: 4 batches of 8 sequences of 384 positions.
     padding = {arm: figures["padding_fraction"] for arm, figures in report["summary"].items()}
@@ -48,3 +40,29 @@ def test_arms_run_and_report(tmp_path):
     table = (output_dir / "results.md").read_text()
     assert "Ratios vs recipe" in table and "| bare |" in table and "| trainer_padded |" in table
     assert "| recipe | " in table and "(1.000x)" in table
+
+
+def test_repeats_alternate_the_arm_order_and_ratios_pair_runs_side_by_side(tmp_path, monkeypatch):
+    """Three repeats of two arms with made-up step times (no processes): the order alternates
+    (a, b / b, a / a, b), and the ratios are the hand-computed ones."""
+    compare_loops = load_module(REPO / "scripts" / "compare_loops.py")
+    step_seconds = {"recipe": [1.0, 2.0, 1.2], "bare": [1.5, 2.0, 1.2]}
+    order = []
+
+    def fake_run(args, arm, work_dir):
+        order.append(arm)
+        seconds = step_seconds[arm][sum(1 for a in order if a == arm) - 1]
+        figures = {"train_steps": 4, "train_seconds": 4 * seconds, "wall_seconds": 4 * seconds + 5}
+        return {**figures, "step_seconds": seconds, "padding_fraction": 0.25, "peak_rss_bytes": 2**30}
+
+    monkeypatch.setattr(compare_loops, "run_arm", fake_run)
+    argv = ["--arms", "recipe,bare", "--repeats", 3, "--max_train_steps", 4, "--output_dir", tmp_path]
+    summary = compare_loops.main([str(a) for a in argv])
+    assert order == ["recipe", "bare", "bare", "recipe", "recipe", "bare"]
+    # side by side: 1.5 / 1.0, 2.0 / 2.0, 1.2 / 1.2 -> median 1.0; fastest over fastest: 1.2 / 1.0
+    assert summary["bare"]["paired_step_ratio"] == 1.0
+    assert summary["bare"]["best_step_ratio"] == 1.2
+    assert summary["bare"]["step_seconds"] == 1.5  # the median of 1.5, 2.0, 1.2
+    assert (
+        "| bare | 11.0 (1.122x)" in (tmp_path / "results.md").read_text()
+    )  # medians 4 x 1.5 + 5 over 4 x 1.2 + 5
