@@ -20,20 +20,12 @@ from pathlib import Path
 from accelerate.logging import get_logger
 
 from .errors import WRITE_ERRORS, CheckpointError, write_failure
-from .records import fsync_dir, write_json_atomic
+from .records import fsync_dir, fsync_tree, write_json_atomic
 
 MARKER = "amp_checkpoint.json"  # written last: a folder without it is not a checkpoint
 LATEST = "latest"
 PREFIX = "checkpoint-"
 logger = get_logger(__name__)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    fsync_dir(folder)
 
 
 def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
@@ -73,7 +65,7 @@ def save_checkpoint(
         if accelerator.is_main_process:
             files = {str(p.relative_to(staging)): p.stat().st_size for p in staging.rglob("*") if p.is_file()}
             write_json_atomic(staging / MARKER, {**record, "files": files})
-            _fsync_tree(staging)
+            fsync_tree(staging)
             if final.exists():  # the same step saved again (e.g. a resumed run): replace it whole
                 shutil.rmtree(final)
             os.replace(staging, final)

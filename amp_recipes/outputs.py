@@ -27,7 +27,7 @@ from pathlib import Path
 from accelerate.logging import get_logger
 
 from .errors import WRITE_ERRORS, CheckpointError, InputError, write_failure
-from .records import fsync_dir
+from .records import fsync_dir, fsync_tree
 
 LOCK = ".amp-recipes.lock"
 FINAL_STAGING = ".final.tmp"
@@ -182,9 +182,7 @@ class OutputDir:
             yield staging
             accelerator.wait_for_everyone()
             if self.is_main_process:
-                for path in staging.iterdir():
-                    with open(path, "rb") as handle:
-                        os.fsync(handle.fileno())
+                fsync_tree(staging)
         except WRITE_ERRORS as error:  # a full disk, a file-size limit, a lost mount
             if self.is_main_process:
                 shutil.rmtree(staging, ignore_errors=True)

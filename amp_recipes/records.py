@@ -18,6 +18,15 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(descriptor)
 
 
+def fsync_tree(folder: Path) -> None:
+    """Flush every file under a folder, then the folder itself, to disk (before a rename)."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    fsync_dir(folder)
+
+
 def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
     """Write to a temporary file in the same folder, flush to disk, then rename into place:
     a crash leaves either the old file or the new one, never half of one."""
