@@ -4,12 +4,15 @@
     accelerate launch scripts/benchmark_precision.py --arms fp32,tf32,fp16,bf16 --report_to wandb
     python scripts/benchmark_precision.py --arms fp32,bf16 --memory_budget_gb 6   # on a CPU
     python scripts/benchmark_precision.py --arms fp32,fp16,fp32+compile,fp16+compile --no_search
+    python scripts/benchmark_precision.py --head qa --seq_len 384 --arms fp32,fp16,bf16   # SQuAD's shape
 
 Each arm, and each trial of the batch-size search, runs in its own fresh process (accelerate's
 state is a per-process singleton, and peak memory must not carry over), with the same seed, the
 same initial weights and the same batches. Default workload: the exact BERT-base architecture
 (`BertConfig()` defaults are bert-base-uncased's) with random weights, on synthetic token
-batches, so nothing is downloaded. Reports go to --output_dir: results.json (every figure and
+batches, so nothing is downloaded; `--head` picks what the recipes train on top of it: a
+sentence classifier (bert_glue.py), a tagger with a label per token (bert_ner.py), or the
+start/end span head of extractive QA. Reports go to --output_dir: results.json (every figure and
 the hardware/software record), results.md and results.png.
 """
 
@@ -29,7 +32,12 @@ ARMS = {  # arm -> (accelerate mixed_precision, TF32 matmuls allowed)
     "fp16": ("fp16", False),
     "bf16": ("bf16", False),
 }
-COMPILED = "+compile"  # "fp16+compile": the same arm under torch.compile, with the recipes' settings
+COMPILED = "+compile"
+HEADS = {  # --head -> (transformers auto class, labels of the synthetic batches)
+    "sequence": ("AutoModelForSequenceClassification", 2),
+    "token": ("AutoModelForTokenClassification", 9),  # CoNLL-2003's 9 tags
+    "qa": ("AutoModelForQuestionAnswering", 2),  # start and end logits
+}  # "fp16+compile": the same arm under torch.compile, with the recipes' settings
 
 
 def precision_of(arm: str) -> str:
@@ -57,6 +65,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--data_dir", default=os.environ.get("GLUE_DIR"), help="GLUE folder for --task_name.")
     parser.add_argument("--tokenizer_name", help="Tokenizer for --task_name (default: the model's).")
+    parser.add_argument(
+        "--head",
+        choices=list(HEADS),
+        default="sequence",
+        help="sequence: a label per sequence (GLUE); token: a label per token (NER); qa: answer start/end.",
+    )
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--batch_size", type=int, default=32, help="Batch size of the timed run.")
     parser.add_argument(
@@ -90,6 +104,8 @@ def parse_args(argv=None):
         parser.error(
             "use --model_name_or_path (pretrained weights) or --config_name (random weights), not both."
         )
+    if args.task_name and args.head != "sequence":
+        parser.error("--task_name times GLUE batches, which train the sequence head; drop --head.")
     if args.task_name and not (args.tokenizer_name or args.model_name_or_path or args.config_name):
         parser.error(
             "--task_name needs a tokenizer: pass --model_name_or_path, --config_name or --tokenizer_name."
@@ -110,17 +126,36 @@ def current_rss_bytes() -> int:
 
 def build_model(config: dict):
     import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig
+    import transformers
+    from transformers import AutoConfig, BertConfig
 
+    class_name, num_labels = HEADS[config["head"]]
+    auto_class = getattr(transformers, class_name)
     if config["model_name_or_path"]:
-        return AutoModelForSequenceClassification.from_pretrained(
-            config["model_name_or_path"], num_labels=2, ignore_mismatched_sizes=True, dtype=torch.float32
+        return auto_class.from_pretrained(
+            config["model_name_or_path"],
+            num_labels=num_labels,
+            ignore_mismatched_sizes=True,
+            dtype=torch.float32,
         )
     model_config = (
         AutoConfig.from_pretrained(config["config_name"]) if config["config_name"] else BertConfig()
     )
-    model_config.num_labels = 2
-    return AutoModelForSequenceClassification.from_config(model_config)
+    model_config.num_labels = num_labels
+    return auto_class.from_config(model_config)
+
+
+def synthetic_labels(head: str, batch_size: int, seq_len: int, generator) -> dict:
+    """Random targets of the head's shape: a class per sequence, a tag per token, or an answer span."""
+    import torch
+
+    if head == "token":
+        return {"labels": torch.randint(0, HEADS["token"][1], (batch_size, seq_len), generator=generator)}
+    if head == "qa":
+        start = torch.randint(1, seq_len - 1, (batch_size,), generator=generator)
+        length = torch.randint(0, 30, (batch_size,), generator=generator)  # run_qa's max_answer_length
+        return {"start_positions": start, "end_positions": torch.clamp(start + length, max=seq_len - 1)}
+    return {"labels": torch.randint(0, 2, (batch_size,), generator=generator)}
 
 
 def make_batches(config: dict, model_config, batch_size: int, count: int):
@@ -158,7 +193,7 @@ def make_batches(config: dict, model_config, batch_size: int, count: int):
                 low, model_config.vocab_size, (batch_size, seq_len), generator=generator
             ),
             "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
-            "labels": torch.randint(0, 2, (batch_size,), generator=generator),
+            **synthetic_labels(config["head"], batch_size, seq_len, generator),
         }
         for _ in range(count)
     ]
@@ -221,6 +256,7 @@ def run_worker(spec_path: str) -> None:
         "batch_size": batch_size,
         "pid": os.getpid(),
         "seq_len": config["seq_len"],
+        "head": config["head"],
         **describe_precision(accelerator, mixed_precision),
         "tf32_matmul": tf32_matmul_enabled(),  # this arm's own setting, not the parent's
     }
@@ -611,7 +647,8 @@ def main(argv=None) -> dict:
     }
     write_json_atomic(output_dir / "results.json", payload)
     (output_dir / "results.md").write_text(
-        f"# {args.bench_id}\n\n{hardware['device_name']}, torch {hardware['torch']}, seq_len {args.seq_len}, "
+        f"# {args.bench_id}\n\n{hardware['device_name']}, torch {hardware['torch']}, {args.head} head, "
+        f"seq_len {args.seq_len}, "
         f"batch {args.batch_size}\n\n{table}"
     )
     plot(results, output_dir / "results.png")

@@ -11,8 +11,8 @@ because the whole matrix in subprocesses would cost minutes of imports). What ev
   that holds a finished run (passed with --overwrite_output_dir, so a late failure would show);
 - no lock file left behind.
 
-bert_ner / bert_qa join the table when they exist (issue 18): CoNLL and SQuAD files then get
-their rows here.
+bert_ner's own numeric flags get the out-of-range rows; its shared ones go through the same
+`check_shared_args` as the other recipes' (their rows test it). bert_qa joins when it exists.
 """
 
 import contextlib
@@ -148,7 +148,29 @@ def mlm_run(case: Path) -> dict:
     }
 
 
-WORKING_RUNS = {"bert_glue": glue_run, "bert_mlm": mlm_run}
+CONLL_TRAIN = "EU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\nPeter NNP B-NP B-PER\nBlackburn NNP I-NP I-PER\n\n"
+CONLL_VALID = "-DOCSTART- -X- -X- O\n\nPeter NNP B-NP B-PER\nsaid VBD B-VP O\n\n"
+
+
+def ner_run(case: Path) -> dict:
+    write(case / "train.txt", "-DOCSTART- -X- -X- O\n\n" + CONLL_TRAIN * 4)
+    write(case / "valid.txt", CONLL_VALID)
+    finished_run(case / "out")
+    return {
+        "train_file": case / "train.txt",
+        "validation_file": case / "valid.txt",
+        "model_name_or_path": TINY_BERT,
+        "ignore_mismatched_sizes": True,  # the tiny BERT's head classifies sentences (2 labels)
+        "output_dir": case / "out",
+        "overwrite_output_dir": True,
+        "max_train_steps": 1,
+        "per_device_train_batch_size": 4,
+        "max_seq_length": 16,
+        "activation_monitor_interval": 0,
+    }
+
+
+WORKING_RUNS = {"bert_glue": glue_run, "bert_mlm": mlm_run, "bert_ner": ner_run}
 
 
 def argv_of(flags: dict) -> list:
@@ -169,6 +191,7 @@ class Case:
 
 
 BOTH = ("bert_glue", "bert_mlm")
+ALL = ("bert_glue", "bert_mlm", "bert_ner")
 
 
 def bad_file(flag, filename, content):
@@ -294,7 +317,42 @@ def file_cases():
         ),
         "parquet": ("bad.parquet", "PAR1", r"bad\.parquet: unsupported file type"),
     }
-    for recipe, table in (("bert_glue", glue), ("bert_mlm", mlm)):
+    ner = {  # replacing bert_ner's --train_file
+        "conll-columns": (
+            "bad.txt",
+            "EU NNP B-NP B-ORG\nrejects VBZ O\n",
+            r"bad\.txt line 2 has 3 columns, line 1 has 4",
+        ),
+        "conll-one-column": ("bad.conll", "EU\nrejects\n", r"bad\.conll line 1 has one column"),
+        "conll-empty": ("bad.txt", "", r"bad\.txt is empty"),
+        "conll-only-docstart": ("bad.txt", "-DOCSTART- -X- -X- O\n\n", r"bad\.txt holds no sentences"),
+        "conll-not-utf8": ("bad.txt", b"EU B-ORG\ncaf\xe9 O\n", r"bad\.txt line 2 is not UTF-8"),
+        "conll-untyped-tag": ("bad.txt", "EU ORG\n", r"bad\.txt line 1: tag 'ORG' is neither O nor"),
+        "conll-no-entities": ("bad.txt", "EU O\nsaid O\n", r"bad\.txt: every tag is O"),
+        "conll-iob1": (
+            "bad.txt",
+            "Peter I-PER\nBlackburn I-PER\n\nsaid O\n",
+            r"bad\.txt is tagged IOB1 but .*valid\.txt IOB2",
+        ),
+        "jsonl-lengths": (
+            "bad.jsonl",
+            '{"tokens": ["EU", "rejects"], "ner_tags": ["B-ORG"]}\n',
+            r"bad\.jsonl line 1: 2 words but 1 tags",
+        ),
+        "jsonl-integer-tags": (
+            "bad.jsonl",
+            '{"tokens": ["EU"], "ner_tags": [3]}\n',
+            r"bad\.jsonl line 1: tags must be names",
+        ),
+        "jsonl-bad-line": ("bad.jsonl", '{"tokens": ["EU"]\n', r"bad\.jsonl line 1 is not valid JSON"),
+        "json-no-tokens": (
+            "bad.json",
+            '[{"words": ["EU"], "ner_tags": ["B-ORG"]}]',
+            r"bad\.json has no column\(s\) \['tokens'\].*--tokens_column",
+        ),
+        "csv": ("bad.csv", "tokens,tags\n", r"bad\.csv: unsupported file type '\.csv'"),
+    }
+    for recipe, table in (("bert_glue", glue), ("bert_mlm", mlm), ("bert_ner", ner)):
         for name, (filename, content, message) in table.items():
             yield Case(f"file:{name}", (recipe,), bad_file("train_file", filename, content), message)
     for label_type, content, message in (
@@ -307,7 +365,7 @@ def file_cases():
 
         yield Case(f"file:csv-label-type-{label_type}", ("bert_glue",), breaks, message)
     yield Case(
-        "file:missing", BOTH, setting(train_file="nowhere.csv"), r"Data file nowhere\.csv does not exist"
+        "file:missing", ALL, setting(train_file="nowhere.txt"), r"Data file nowhere\.txt does not exist"
     )
 
     def folder_named_like_a_file(case, flags):
@@ -315,6 +373,12 @@ def file_cases():
         flags["train_file"] = case / "folder.csv"
 
     yield Case("file:a-folder", BOTH, folder_named_like_a_file, r"folder\.csv is not a file")
+    yield Case(
+        "file:unseen-validation-tag",
+        ("bert_ner",),
+        bad_file("validation_file", "valid2.txt", "Acme B-ORG\nsaid O\n\nParis B-LOC\n"),
+        r"valid2\.txt line 4: tag 'B-LOC' does not occur in the training data",
+    )
     yield Case(
         "file:unseen-validation-label",
         ("bert_glue",),
@@ -355,12 +419,21 @@ def file_cases():
 def numeric_flag_cases():
     """Every numeric flag of every recipe (read from its parser), out of range: -1, and NaN / inf
     for the float ones. The message names the flag."""
+    import argparse
+
     from conftest import load_recipe
 
-    for recipe in BOTH:
+    from amp_recipes.arguments import add_shared_args
+
+    shared_parser = argparse.ArgumentParser()
+    add_shared_args(shared_parser, output_default="")
+    shared = {action.dest for action in shared_parser._actions}
+    for recipe in ALL:
         parser = load_recipe(recipe).build_parser()
         for action in parser._actions:
             if action.type not in (int, float) or action.choices:
+                continue
+            if recipe == "bert_ner" and action.dest in shared:  # the rows of bert_glue test them
                 continue
             for value in ["-1"] + (["nan", "inf"] if action.type is float else []):
                 flag = action.option_strings[0]
@@ -368,13 +441,13 @@ def numeric_flag_cases():
                     f"flag:{flag}={value}", (recipe,), setting(**{flag[2:]: value}), rf"{flag} must be "
                 )
     yield Case(
-        "flag:not-a-number", BOTH, setting(learning_rate="fast"), r"argument --learning_rate: invalid float"
+        "flag:not-a-number", ALL, setting(learning_rate="fast"), r"argument --learning_rate: invalid float"
     )
     yield Case(
-        "flag:bad-choice", BOTH, setting(mixed_precision="fp8"), r"--mixed_precision: invalid choice: 'fp8'"
+        "flag:bad-choice", ALL, setting(mixed_precision="fp8"), r"--mixed_precision: invalid choice: 'fp8'"
     )
     yield Case(
-        "flag:checkpointing_steps", BOTH, setting(checkpointing_steps="often"), r"--checkpointing_steps must"
+        "flag:checkpointing_steps", ALL, setting(checkpointing_steps="often"), r"--checkpointing_steps must"
     )
 
 
@@ -398,17 +471,23 @@ def combination_cases():
         r"--text_columns names the columns of --train_file",
     )
     yield Case(
-        "combo:compile-and-diagnose", BOTH, setting(torch_compile=True, diagnose_overflow=True), "recompile"
+        "combo:train-file-alone",
+        ("bert_ner",),
+        setting(validation_file=None),
+        r"give both --train_file and --validation_file \(or neither",
+    )
+    yield Case(
+        "combo:compile-and-diagnose", ALL, setting(torch_compile=True, diagnose_overflow=True), "recompile"
     )
     yield Case(
         "combo:overwrite-and-resume",
-        BOTH,
+        ALL,
         setting(resume_from_checkpoint="latest"),
         r"--overwrite_output_dir starts the run again, --resume_from_checkpoint continues it",
     )
     yield Case(
         "combo:longer-than-the-model",
-        BOTH,
+        ALL,
         setting(max_seq_length=4096),
         r"longer than the model's limit of 512",
     )
@@ -449,23 +528,23 @@ def output_cases():
 
         return breaks
 
-    yield Case("output:under-a-file", BOTH, under_a_file, r"Cannot create --output_dir .*a-file/out")
-    yield Case("output:is-a-file", BOTH, is_a_file, r"--output_dir .*a-file is a file")
+    yield Case("output:under-a-file", ALL, under_a_file, r"Cannot create --output_dir .*a-file/out")
+    yield Case("output:is-a-file", ALL, is_a_file, r"--output_dir .*a-file is a file")
     yield Case(
-        "output:finished-run", BOTH, without_overwrite(), r"holds a finished run .*--overwrite_output_dir"
+        "output:finished-run", ALL, without_overwrite(), r"holds a finished run .*--overwrite_output_dir"
     )
     yield Case(
         "output:unfinished-run",
-        BOTH,
+        ALL,
         without_overwrite(unfinished),
         r"unfinished run .*--resume_from_checkpoint latest",
     )
     yield Case(
-        "output:not-empty", BOTH, without_overwrite(other_files), r"is not empty \(it holds notes\.txt\)"
+        "output:not-empty", ALL, without_overwrite(other_files), r"is not empty \(it holds notes\.txt\)"
     )
-    yield Case("output:locked", BOTH, locked(1), r"Another run \(PID 1, started earlier\) is using")
+    yield Case("output:locked", ALL, locked(1), r"Another run \(PID 1, started earlier\) is using")
     yield Case(
-        "output:locked-elsewhere", BOTH, locked(4242, "gpu-node-7"), r"locked by PID 4242 on host gpu-node-7"
+        "output:locked-elsewhere", ALL, locked(4242, "gpu-node-7"), r"locked by PID 4242 on host gpu-node-7"
     )
 
 
@@ -476,20 +555,20 @@ def model_and_checkpoint_cases():
 
     yield Case(
         "model:no-such-path",
-        BOTH,
+        ALL,
         setting(model_name_or_path="./no-such-model"),
         r"no-such-model: no such directory",
     )
     yield Case(
         "model:a-file",
-        BOTH,
+        ALL,
         lambda case, flags: flags.update(model_name_or_path=flags["train_file"]),
         r"is a file",
     )
-    yield Case("model:no-config", BOTH, folder_without_config, r"empty-model has no config\.json")
+    yield Case("model:no-config", ALL, folder_without_config, r"empty-model has no config\.json")
     yield Case(
         "model:hub-offline",
-        BOTH,
+        ALL,
         setting(model_name_or_path="bert-base-uncased"),
         r"Could not load model .*Offline\?",
     )
@@ -514,31 +593,31 @@ def model_and_checkpoint_cases():
 
     yield Case(
         "checkpoint:missing",
-        BOTH,
+        ALL,
         resume(lambda case: case / "out" / "checkpoints" / "nope"),
         r"Checkpoint .*nope does not exist",
     )
     yield Case(
         "checkpoint:none-yet",
-        BOTH,
+        ALL,
         resume("latest", no_checkpoints),
         r"no complete checkpoint in .*drop the flag",
     )
     yield Case(
         "checkpoint:truncated-file",
-        BOTH,
+        ALL,
         resume("latest"),
         r"is corrupted: model\.safetensors is 3 bytes instead of 11",
     )
     yield Case(
         "checkpoint:unreadable-marker",
-        BOTH,
+        ALL,
         resume("latest", unreadable_marker),
         r"is corrupted: .* not valid JSON",
     )
     yield Case(
         "checkpoint:incomplete",
-        BOTH,
+        ALL,
         resume(
             lambda case: case / "out" / "checkpoints" / "checkpoint-1",
             lambda c: (c / "checkpoint-1" / "amp_checkpoint.json").unlink(),
@@ -580,7 +659,7 @@ def test_the_matrix_covers_every_recipe_and_format():
     assert {"csv", "tsv", "json", "jsonl", "txt"} <= formats
 
 
-@pytest.mark.parametrize("recipe", BOTH)
+@pytest.mark.parametrize("recipe", ALL)
 def test_the_working_run_works_over_a_finished_run_with_a_stale_lock(recipe, tmp_path):
     """The matrix's starting point: it trains, replaces the finished run it was pointed at
     (--overwrite_output_dir: the old checkpoints go, the model is replaced whole), and takes over

@@ -27,7 +27,9 @@ def test_ls_lists_every_recipe_with_what_it_does_and_its_command(tmp_path):
     assert lines[1].strip().startswith("accelerate launch recipes/bert_glue.py")
     assert lines[2].startswith("bert_mlm") and "masked-language-model" in lines[2]
     assert lines[3].strip().startswith("accelerate launch recipes/bert_mlm.py")
-    assert len(lines) == 4
+    assert lines[4].startswith("bert_ner") and "named-entity recognition" in lines[4]
+    assert lines[5].strip().startswith("accelerate launch recipes/bert_ner.py")
+    assert len(lines) == 6
     # The installed console script (requirements.txt installs the package) gives the same listing.
     (entry,) = [e for e in entry_points(group="console_scripts") if e.name == "amp-recipes"]
     assert entry.value == "amp_recipes.cli:main"
@@ -52,7 +54,7 @@ def test_cp_copies_refuses_to_overwrite_and_says_what_to_run(tmp_path):
     unknown = sh([*CLI, "cp", "gpt_pretrain", target], tmp_path)
     assert (
         unknown.returncode == 2
-        and "no recipe 'gpt_pretrain'; choose from bert_glue, bert_mlm" in unknown.stderr
+        and "no recipe 'gpt_pretrain'; choose from bert_glue, bert_mlm, bert_ner" in unknown.stderr
     )
 
 

@@ -1,13 +1,24 @@
-"""Both recipes end to end on a tiny random model of each BERT-like family: a few fp32 steps,
+"""Every recipe end to end on a tiny random model of each BERT-like family: a few fp32 steps,
 finite losses, and a saved model that loads again."""
 
 import math
 
 import pytest
 import torch
-from conftest import GLUE_DIR, load_recipe, log_history, reset_accelerate, train
+from conftest import GLUE_DIR, REPO, load_recipe, log_history, reset_accelerate, train
 from families import FAMILIES, build_family
-from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
+
+RECIPES = {
+    "bert_glue": AutoModelForSequenceClassification,
+    "bert_mlm": AutoModelForMaskedLM,
+    "bert_ner": AutoModelForTokenClassification,
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +38,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def recipes():
-    yield {name: load_recipe(name) for name in ("bert_glue", "bert_mlm")}
+    yield {name: load_recipe(name) for name in RECIPES}
     reset_accelerate()
 
 
@@ -55,18 +66,24 @@ def arguments(recipe, model_dir, corpus, output_dir):
             "--max_eval_samples",
             16,
         ]
+    if recipe == "bert_ner":
+        conll = REPO / "data" / "conll2003"
+        return [
+            *common,
+            *("--train_file", conll / "train.txt", "--validation_file", conll / "valid.txt"),
+            *("--max_train_samples", 32, "--max_eval_samples", 16, "--max_seq_length", 32),
+        ]
     return [*common, "--train_file", corpus, "--max_seq_length", 32]
 
 
-@pytest.mark.parametrize("recipe", ["bert_glue", "bert_mlm"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_recipe_runs_on_family(recipes, family_dirs, corpus, tmp_path, family, recipe):
     results = train(recipes[recipe], arguments(recipe, family_dirs[family], corpus, tmp_path))
     losses = [row["loss"] for row in log_history(tmp_path) if "loss" in row]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
     assert results["train_steps"] == 3
-    auto_class = AutoModelForSequenceClassification if recipe == "bert_glue" else AutoModelForMaskedLM
-    model = auto_class.from_pretrained(tmp_path)  # saved and reloadable
+    model = RECIPES[recipe].from_pretrained(tmp_path)  # saved and reloadable
     assert model.config.model_type == family
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     with torch.inference_mode():

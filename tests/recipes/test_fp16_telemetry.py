@@ -58,34 +58,42 @@ def inject(monkeypatch, recipe, steps, kind="forward"):
     monkeypatch.setattr(recipe, "AutoModelForSequenceClassification", Injected)
 
 
-def expected_scales(steps, skipped, init_scale, growth_interval):
-    """GradScaler's rule: halve on a skipped step, double after `growth_interval` good ones."""
+def expected_scales(steps, skipped, init_scale, growth_interval, growth=2.0, backoff=0.5):
+    """GradScaler's rule: times `backoff` on a skipped step, times `growth` after `growth_interval`
+    good ones."""
     scale, good, scales = init_scale, 0, []
     for step in range(1, steps + 1):
         if step in skipped:
-            scale, good = scale * 0.5, 0
+            scale, good = scale * backoff, 0
         else:
             good += 1
             if good == growth_interval:
-                scale, good = scale * 2, 0
+                scale, good = scale * growth, 0
         scales.append(scale)
     return scales
 
 
-@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
-def test_skipped_steps_loss_scale_and_schedule_are_exact(recipe, tmp_path, monkeypatch, caplog, optim):
+@pytest.mark.parametrize(
+    "optim, growth, backoff", [("adamw_torch", 4.0, 0.25), ("adamw_torch_fused", 2.0, 0.5)]
+)
+def test_skipped_steps_loss_scale_and_schedule_are_exact(
+    recipe, tmp_path, monkeypatch, caplog, optim, growth, backoff
+):
+    """Every --fp16_* flag reaches the GradScaler (torch's default factors with one optimizer,
+    others with the second)."""
     skipped, steps = {2, 3, 7}, 10
     caplog.set_level("INFO")
     monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
     inject(monkeypatch, recipe, skipped)
     argv = [*TINY, "--mixed_precision", "fp16", "--optim", optim, "--max_train_steps", steps]
     argv += ["--fp16_init_scale", 1024, "--fp16_growth_interval", 2, "--output_dir", tmp_path]
+    argv += ["--fp16_growth_factor", growth, "--fp16_backoff_factor", backoff]
     results = train(recipe, argv)
 
     rows = [row for row in log_history(tmp_path) if "loss_scale" in row]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
     # the scaler's own values: --fp16_* reached accelerate's GradScalerKwargs
-    assert [row["loss_scale"] for row in rows] == expected_scales(steps, skipped, 1024.0, 2)
+    assert [row["loss_scale"] for row in rows] == expected_scales(steps, skipped, 1024.0, 2, growth, backoff)
     assert [row["skipped_steps"] for row in rows] == [
         sum(s <= step for s in skipped) for step in range(1, steps + 1)
     ]
@@ -102,7 +110,7 @@ def test_skipped_steps_loss_scale_and_schedule_are_exact(recipe, tmp_path, monke
     assert results["nonfinite_losses"] == 3  # an infinite forward makes the loss infinite too
     assert "grad_norm" in rows[0] and math.isfinite(rows[0]["grad_norm"])
     assert (
-        f"step 2: fp16 overflow, optimizer step skipped, loss scale 1024 -> 512; first non-finite value: forward output of {INJECTED}"
+        f"step 2: fp16 overflow, optimizer step skipped, loss scale 1024 -> {1024 * backoff:g}; first non-finite value: forward output of {INJECTED}"
         in caplog.text
     )
 

@@ -305,3 +305,41 @@ def test_real_glue_batches_under_accelerate_launch(tmp_path):
     fp32 = json.loads((tmp_path / "out" / "results.json").read_text())["arms"]["fp32"]
     assert fp32["fits"] and fp32["tokens_per_second"] == pytest.approx(fp32["samples_per_second"] * 64)
     assert "max_batch_size" not in fp32 and len(fp32["losses"]) == 2
+
+
+@pytest.mark.parametrize(
+    "head, auto_class", [("token", "BertForTokenClassification"), ("qa", "BertForQuestionAnswering")]
+)
+def test_each_head_trains_on_batches_of_its_shape(head, auto_class):
+    """--head token / qa: the tagger of bert_ner.py, the span head of extractive QA; one step each
+    on the synthetic batches gives a finite loss and gradients for the head."""
+    benchmark = load_module(SCRIPT)
+    config = {"head": head, "model_name_or_path": None, "config_name": str(TINY_BERT), "task_name": None}
+    config["seq_len"] = 24
+    torch.manual_seed(0)
+    model = benchmark.build_model(config)
+    assert type(model).__name__ == auto_class
+    (batch,) = benchmark.make_batches(config, model.config, batch_size=3, count=1)
+    if head == "token":
+        assert batch["labels"].shape == (3, 24) and int(batch["labels"].max()) < 9
+    else:
+        assert (batch["start_positions"] <= batch["end_positions"]).all()
+        assert (batch["end_positions"] < 24).all() and (
+            batch["end_positions"] - batch["start_positions"] < 30
+        ).all()
+    loss = model(**batch).loss
+    loss.backward()
+    head_layer = model.classifier if head == "token" else model.qa_outputs
+    assert torch.isfinite(loss) and head_layer.weight.grad.abs().sum() > 0
+
+
+def test_the_qa_head_at_a_squad_length_under_the_benchmark(tmp_path):
+    command = [sys.executable, SCRIPT, "--config_name", TINY_BERT, "--head", "qa", "--arms", "fp32"]
+    command += ["--seq_len", 384, "--batch_size", 2, "--warmup_steps", 1, "--timed_steps", 2, "--no_search"]
+    result = run([*command, "--bench_id", "qa", "--output_dir", tmp_path / "out"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    arm = json.loads((tmp_path / "out" / "results.json").read_text())["arms"]["fp32"]
+    assert arm["head"] == "qa" and arm["seq_len"] == 384 and arm["tokens_per_second"] > 0
+    assert "qa head, seq_len 384" in (tmp_path / "out" / "results.md").read_text()
+    refused = run([sys.executable, SCRIPT, "--task_name", "mrpc", "--head", "token"], tmp_path)
+    assert refused.returncode == 2 and "--task_name times GLUE batches" in refused.stderr

@@ -17,7 +17,7 @@ def recipe_parser_flags(name):
     return {option for action in parser._actions for option in action.option_strings if option != "--help"}
 
 
-@pytest.mark.parametrize("recipe", ["bert_glue", "bert_mlm"])
+@pytest.mark.parametrize("recipe", ["bert_glue", "bert_mlm", "bert_ner"])
 def test_every_recipe_flag_is_in_the_readme(recipe):
     readme = (REPO / "README.md").read_text()
     documented = set(re.findall(r"`(--[a-z0-9_]+)`", readme))
@@ -48,7 +48,11 @@ def documented_defaults(section_title: str) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "recipe, section",
-    [("bert_glue", "### Flags of `recipes/bert_glue.py`"), ("bert_mlm", "## Domain-adaptive")],
+    [
+        ("bert_glue", "### Flags of `recipes/bert_glue.py`"),
+        ("bert_mlm", "## Domain-adaptive"),
+        ("bert_ner", "### Flags of `recipes/bert_ner.py`"),
+    ],
 )
 def test_the_readme_gives_each_flag_the_parsers_default(recipe, section):
     parser = load_recipe(recipe).build_parser()
@@ -60,6 +64,7 @@ def test_the_readme_gives_each_flag_the_parsers_default(recipe, section):
         "unset",
         "auto",
         "outputs/<task>",
+        "outputs/ner",
         "$GLUE_DIR",
         "2 on CUDA, else 0",
         "main process",
@@ -123,13 +128,15 @@ PRECISION_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("recipe", ["bert_glue", "bert_mlm"])
+@pytest.mark.parametrize("recipe", ["bert_glue", "bert_mlm", "bert_ner"])
 def test_every_precision_line_is_marked_for_grep(recipe):
     lines = (RECIPES / f"{recipe}.py").read_text().splitlines()
     calls = [
         *PRECISION_CALLS,
         "dtype=torch.float32",
-        "= SeededMaskCollator(" if recipe == "bert_mlm" else "make_collator(",
+        {"bert_mlm": "= SeededMaskCollator(", "bert_ner": "DataCollatorForTokenClassification("}.get(
+            recipe, "make_collator("
+        ),
     ]
     unmarked = [call for call in calls if not marked(lines, call)]
     assert not unmarked, f"{recipe}.py: precision lines without '# AMP:': {unmarked}"
@@ -139,9 +146,10 @@ def test_every_precision_line_is_marked_for_grep(recipe):
     assert "GradScalerKwargs(\n                init_scale=args.fp16_init_scale," in text
 
 
-def test_the_two_recipes_mark_the_same_precision_lines():
+def test_the_recipes_mark_the_same_precision_lines():
     glue = precision_lines(RECIPES / "bert_glue.py", only_main=True)
     mlm = precision_lines(RECIPES / "bert_mlm.py", only_main=True)
+    assert precision_lines(RECIPES / "bert_ner.py", only_main=True) == glue
     assert len(glue) > 15 and set(glue) <= set(mlm)
     # bert_glue loads its model in load_model(); bert_mlm in main(): the one line main() adds.
     assert [line for line in mlm if line not in glue] == [
@@ -150,7 +158,7 @@ def test_the_two_recipes_mark_the_same_precision_lines():
 
 
 def test_main_reads_in_five_minutes():
-    for recipe in ("bert_glue", "bert_mlm"):
+    for recipe in ("bert_glue", "bert_mlm", "bert_ner"):
         text = (RECIPES / f"{recipe}.py").read_text()
         main = text[text.index("def main(") : text.index('if __name__ == "__main__":')]
         assert len(main.splitlines()) <= 235, recipe  # the target was 200: see recipes/README.md
@@ -229,6 +237,9 @@ def test_the_shipped_data_is_what_data_readme_says():
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         assert digest in readme, path
         assert path.stat().st_size < 5 * 2**20, path  # keep the repository lean
+    for path in sorted((REPO / "data" / "conll2003").glob("*.txt")):  # research-only: an excerpt
+        assert hashlib.sha256(path.read_bytes()).hexdigest()[:16] in readme, path
+        assert path.stat().st_size < 200_000, path
     vocab = (REPO / "data" / "models" / "bert-base-uncased" / "vocab.txt").read_text().splitlines()
     assert len(vocab) == 30522
 

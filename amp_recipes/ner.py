@@ -1,0 +1,256 @@
+"""Token-classification (NER) data for recipes/bert_ner.py: CoNLL-2003 from the Hub, CoNLL-format
+text files, or JSON / JSON Lines rows of tokens + tags; the tag scheme detected and checked; words
+aligned to sub-word tokens.
+
+Every source is normalised to the columns `tokens` (list of words) and `tags` (list of tag names,
+e.g. `B-PER`), plus `where` (the line or row of the file, for error messages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import datasets
+
+from .data import _check_file, _load_user_file, check_max_length
+from .errors import InputError
+
+HUB_DATASET = "eriktks/conll2003"  # the Hub's CoNLL-2003 (English), integer tags + their names
+# datasets >= 4 runs no loading scripts; the Hub's parquet export of a script dataset loads anyway.
+HUB_REVISION = "refs/convert/parquet"
+CONLL_SUFFIXES = (".txt", ".conll", ".bio", ".iob")
+JSON_BUILDERS = {".json": "json", ".jsonl": "json"}
+TAG_COLUMNS = ("ner_tags", "tags", "labels")  # looked for, in this order, when --tags_column is unset
+PREFIXES = "BIES"  # begin, inside, end, single (IOB1, IOB2, IOBES)
+
+
+@dataclass
+class TaggingData:
+    name: str  # "conll2003" or "custom"
+    splits: datasets.DatasetDict  # "train", "validation": tokens, tags, where
+    label_names: tuple[str, ...]  # id -> tag name
+    scheme: str  # IOB1, IOB2 or IOBES, detected on the training data
+
+
+# ----------------------------------------------------------------------------- reading
+def read_conll(path: str) -> datasets.Dataset:
+    """A CoNLL-format file: one token per line, its tag in the last column (the columns between,
+    such as POS and chunk tags, are ignored), a blank line after each sentence, `-DOCSTART-` lines
+    skipped. datasets has no builder for this layout (the Hub's CoNLL-2003 used a loading script),
+    so it is read here: CoNLL-2003's 3 MB training file takes about a second."""
+    _check_file(path)
+    rows = {"tokens": [], "tags": [], "where": []}
+    tokens, tags, start, columns = [], [], 0, None
+
+    def end_sentence():
+        if tokens:
+            rows["tokens"].append(list(tokens)), rows["tags"].append(list(tags))
+            rows["where"].append(f"line {start}")
+            tokens.clear(), tags.clear()
+
+    with open(path, encoding="utf-8-sig") as handle:
+        for number, line in enumerate(handle, start=1):
+            fields = line.split()
+            if not fields or fields[0] == "-DOCSTART-":
+                end_sentence()
+                continue
+            if columns is None:
+                columns, first = len(fields), number
+                if columns < 2:
+                    raise InputError(
+                        f"{path} line {number} has one column ({line.strip()!r}); a CoNLL line is "
+                        "`token tag` or `token POS chunk tag`, whitespace-separated."
+                    )
+            if len(fields) != columns:
+                raise InputError(
+                    f"{path} line {number} has {len(fields)} columns, line {first} has {columns}: every "
+                    "token line needs the same columns (token ... tag), a blank line between sentences."
+                )
+            if not tokens:
+                start = number
+            tokens.append(fields[0]), tags.append(fields[-1])
+    end_sentence()
+    if not rows["tokens"]:
+        raise InputError(f"{path} holds no sentences (only -DOCSTART- or blank lines).")
+    return datasets.Dataset.from_dict(rows)
+
+
+def read_json(path: str, tokens_column: str, tags_column: str | None) -> datasets.Dataset:
+    """Rows with a list of words and a list of tag names of the same length."""
+    table = _load_user_file(path, None, JSON_BUILDERS)
+    tags_column = tags_column or next((c for c in TAG_COLUMNS if c in table.column_names), TAG_COLUMNS[0])
+    missing = [c for c in (tokens_column, tags_column) if c not in table.column_names]
+    if missing:
+        raise InputError(
+            f"{path} has no column(s) {missing}; found {table.column_names}. "
+            "Name them with --tokens_column / --tags_column."
+        )
+    line_or_row = "line" if path.lower().endswith(".jsonl") else "row"
+    for number, (words, tags) in enumerate(
+        zip(table[tokens_column], table[tags_column], strict=True), start=1
+    ):
+        where = f"{path} {line_or_row} {number}"
+        if (
+            not isinstance(words, list)
+            or not words
+            or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise InputError(f"{where}: {tokens_column!r} must be a non-empty list of words, got {words!r}.")
+        if not isinstance(tags, list) or len(tags) != len(words):
+            count = len(tags) if isinstance(tags, list) else "no list of"
+            raise InputError(f"{where}: {len(words)} words but {count} tags.")
+        if not all(isinstance(tag, str) for tag in tags):
+            raise InputError(
+                f"{where}: tags must be names such as 'B-PER' or 'O' (got {tags[:3]!r}); integer ids "
+                "carry no entity type to score."
+            )
+    table = table.select_columns([tokens_column, tags_column])
+    table = table.rename_columns({tokens_column: "tokens", tags_column: "tags"})
+    return table.add_column("where", [f"{line_or_row} {i}" for i in range(1, table.num_rows + 1)])
+
+
+def read_file(path: str, tokens_column: str = "tokens", tags_column: str | None = None) -> datasets.Dataset:
+    suffix = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    if suffix in JSON_BUILDERS:
+        return read_json(path, tokens_column, tags_column)
+    if suffix in CONLL_SUFFIXES:
+        return read_conll(path)
+    raise InputError(
+        f"{path}: unsupported file type {suffix or '(none)'!r}; use CoNLL text "
+        f"({', '.join(CONLL_SUFFIXES)}) or {', '.join(JSON_BUILDERS)}."
+    )
+
+
+# ----------------------------------------------------------------------------- tags
+def tag_scheme(table: datasets.Dataset, path: str) -> str:
+    """IOB2 (every entity starts with B-), IOB1 (entities start with I-; B- only between two
+    adjacent entities of one type) or IOBES (E-/S- tags). A tag other than O or a B/I/E/S-prefixed
+    type is an error."""
+    prefixes, starts_with_inside = set(), False
+    for where, tags in zip(table["where"], table["tags"], strict=True):
+        previous = "O"
+        for tag in tags:
+            if tag != "O":
+                prefix, dash, kind = tag.partition("-")
+                if not dash or prefix not in PREFIXES or len(prefix) != 1 or not kind:
+                    raise InputError(
+                        f"{path} {where}: tag {tag!r} is neither O nor a B-/I-/E-/S- prefixed entity "
+                        "type (IOB1, IOB2 or IOBES, e.g. B-PER)."
+                    )
+                prefixes.add(prefix)
+                if prefix == "I" and previous[2:] != kind:
+                    starts_with_inside = True
+            previous = tag
+    if prefixes & {"E", "S"}:
+        return "IOBES"
+    return "IOB1" if starts_with_inside else "IOB2"
+
+
+def label_order(tags) -> tuple[str, ...]:
+    """O first, then by entity type, B before I before E before S: stable across runs and files."""
+    return tuple(sorted(set(tags), key=lambda t: ("",) if t == "O" else (t[2:], PREFIXES.index(t[0]))))
+
+
+def check_known_tags(table: datasets.Dataset, label_names, path: str, train_source: str) -> None:
+    known = set(label_names)
+    for where, tags in zip(table["where"], table["tags"], strict=True):
+        unknown = [tag for tag in tags if tag not in known]
+        if unknown:
+            raise InputError(
+                f"{path} {where}: tag {unknown[0]!r} does not occur in the training data ({train_source}), "
+                f"whose tags are {', '.join(label_names)}; a model cannot predict a tag it never saw."
+            )
+
+
+# ----------------------------------------------------------------------------- sources
+def load_hub(name: str = HUB_DATASET, revision: str | None = HUB_REVISION, cache_dir=None) -> TaggingData:
+    try:
+        raw = datasets.load_dataset(name, revision=revision, cache_dir=cache_dir)
+    except Exception as error:  # connection, offline-mode and missing-cache errors differ by version
+        raise InputError(
+            f"Could not load {name} from the Hugging Face Hub ({type(error).__name__}). Offline? Give "
+            "--train_file and --validation_file (CoNLL text or JSON; the repository ships a CoNLL-2003 "
+            "excerpt in data/conll2003)."
+        ) from error
+    names = raw["train"].features["ner_tags"].feature.names
+    splits = datasets.DatasetDict()
+    for split in ("train", "validation"):
+        table = raw[split].select_columns(["tokens", "ner_tags"])
+        table = table.map(
+            lambda row: {"tags": [names[i] for i in row["ner_tags"]]}, remove_columns=["ner_tags"]
+        )
+        splits[split] = table.add_column("where", [f"row {i}" for i in range(1, table.num_rows + 1)])
+    return TaggingData("conll2003", splits, tuple(names), tag_scheme(splits["train"], name))
+
+
+def load_files(
+    train_file: str, validation_file: str, tokens_column="tokens", tags_column=None
+) -> TaggingData:
+    splits = datasets.DatasetDict(
+        train=read_file(train_file, tokens_column, tags_column),
+        validation=read_file(validation_file, tokens_column, tags_column),
+    )
+    scheme = tag_scheme(splits["train"], train_file)
+    validation_scheme = tag_scheme(splits["validation"], validation_file)  # well-formed tags there too
+    has_entities = any(tag != "O" for tags in splits["validation"]["tags"] for tag in tags)
+    if has_entities and validation_scheme != scheme:
+        raise InputError(
+            f"{train_file} is tagged {scheme} but {validation_file} {validation_scheme}: tag both files "
+            "with one scheme (data/conll2003/README.md shows how to convert IOB1 and IOB2)."
+        )
+    label_names = label_order(["O", *(tag for tags in splits["train"]["tags"] for tag in tags)])
+    if label_names == ("O",):
+        raise InputError(f"{train_file}: every tag is O; there is no entity to learn.")
+    check_known_tags(splits["validation"], label_names, validation_file, train_file)
+    return TaggingData("custom", splits, label_names, scheme)
+
+
+# ----------------------------------------------------------------------------- tokenisation
+def tokenize_and_align(
+    splits, tokenizer, label_names, max_seq_length: int, label_all_tokens: bool, num_proc=None
+) -> datasets.DatasetDict:
+    """Sub-word tokens with their labels: the first sub-token of each word carries the word's tag,
+    the others -100 (ignored by the loss) or, with `label_all_tokens`, the tag too (B-X becoming
+    I-X). `word_index` gives, per token, the index of the word it starts (-1 for the other
+    tokens), so that evaluation scores every word, also those cut off by max_seq_length."""
+    check_max_length(tokenizer, max_seq_length)
+    label2id = {name: i for i, name in enumerate(label_names)}
+    inside = [
+        label2id.get("I-" + name[2:], i) if name[:2] == "B-" else i for i, name in enumerate(label_names)
+    ]
+
+    def tokenize(batch):
+        encoded = tokenizer(
+            batch["tokens"], is_split_into_words=True, truncation=True, max_length=max_seq_length
+        )
+        encoded["labels"], encoded["word_index"] = [], []
+        for i, tags in enumerate(batch["tags"]):
+            labels, starts, previous = [], [], None
+            for word in encoded.word_ids(i):
+                first = word is not None and word != previous
+                if word is None:
+                    labels.append(-100)
+                elif first:
+                    labels.append(label2id[tags[word]])
+                else:
+                    labels.append(inside[label2id[tags[word]]] if label_all_tokens else -100)
+                starts.append(word if first else -1)
+                previous = word
+            encoded["labels"].append(labels)
+            encoded["word_index"].append(starts)
+        return encoded
+
+    return splits.map(
+        tokenize, batched=True, remove_columns=["tokens", "where"], num_proc=num_proc, desc="Tokenizing"
+    )
+
+
+def word_tags(token_predictions, word_index, num_words: int, label_names) -> list[str]:
+    """One example's predicted tag per word, read at each word's first sub-token; a word without
+    one (cut off by max_seq_length) is predicted O, so it still counts in the metric."""
+    tags = ["O"] * num_words
+    # The predictions run on over the padding (batch, processes); word_index ends with the example.
+    for prediction, word in zip(token_predictions, word_index, strict=False):
+        if word >= 0:
+            tags[word] = label_names[prediction]
+    return tags
