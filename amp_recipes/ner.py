@@ -9,6 +9,7 @@ e.g. `B-PER`), plus `where` (the line or row of the file, for error messages).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 
@@ -37,16 +38,19 @@ def read_conll(path: str) -> datasets.Dataset:
     """A CoNLL-format file: one token per line, its tag in the last column (the columns between,
     such as POS and chunk tags, are ignored), a blank line after each sentence, `-DOCSTART-` lines
     skipped. datasets has no builder for this layout (the Hub's CoNLL-2003 used a loading script),
-    so it is read here: CoNLL-2003's 3 MB training file takes about a second."""
+    so it is read here into an in-memory table: no cache files, so every process of a launch
+    reads and tokenises it (a few seconds for CoNLL-2003's 14,041 training sentences)."""
     _check_file(path)
     rows = {"tokens": [], "tags": [], "where": []}
     tokens, tags, start, columns = [], [], 0, None
 
     def end_sentence():
         if tokens:
-            rows["tokens"].append(list(tokens)), rows["tags"].append(list(tags))
+            rows["tokens"].append(list(tokens))
+            rows["tags"].append(list(tags))
             rows["where"].append(f"line {start}")
-            tokens.clear(), tags.clear()
+            tokens.clear()
+            tags.clear()
 
     with open(path, encoding="utf-8-sig") as handle:
         for number, line in enumerate(handle, start=1):
@@ -68,7 +72,8 @@ def read_conll(path: str) -> datasets.Dataset:
                 )
             if not tokens:
                 start = number
-            tokens.append(fields[0]), tags.append(fields[-1])
+            tokens.append(fields[0])
+            tags.append(fields[-1])
     end_sentence()
     if not rows["tokens"]:
         raise InputError(f"{path} holds no sentences (only -DOCSTART- or blank lines).")
@@ -110,7 +115,7 @@ def read_json(path: str, tokens_column: str, tags_column: str | None) -> dataset
 
 
 def read_file(path: str, tokens_column: str = "tokens", tags_column: str | None = None) -> datasets.Dataset:
-    suffix = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    suffix = Path(path).suffix.lower()
     if suffix in JSON_BUILDERS:
         return read_json(path, tokens_column, tags_column)
     if suffix in CONLL_SUFFIXES:

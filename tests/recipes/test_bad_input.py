@@ -365,7 +365,7 @@ def file_cases():
 
         yield Case(f"file:csv-label-type-{label_type}", ("bert_glue",), breaks, message)
     yield Case(
-        "file:missing", ALL, setting(train_file="nowhere.txt"), r"Data file nowhere\.txt does not exist"
+        "file:missing", ALL, setting(train_file="nowhere.json"), r"Data file nowhere\.json does not exist"
     )
 
     def folder_named_like_a_file(case, flags):

@@ -41,7 +41,7 @@ def benchmark(tmp_path_factory):
             "--search_start",
             256,
             "--search_granularity",
-            128,
+            256,  # 256 fits, 512 does not: no bisection here (tested without processes below)
             "--search_max",
             4096,
             "--bench_id",
@@ -107,9 +107,31 @@ def test_headroom_search_finds_the_edge_of_the_budget(benchmark):
         assert best >= 256 and trials[best]["fits"], (arm, result["trials"])
         assert trials[best]["peak_memory_bytes"] <= BUDGET_GB * 2**30
         next_step = result["first_batch_not_fitting"]
-        assert next_step == best + 128, (arm, result["trials"])
+        assert next_step == best + 256, (arm, result["trials"])
         assert not trials[next_step]["fits"] and trials[next_step]["failure"] == "over the memory budget"
         assert trials[next_step]["peak_memory_bytes"] > BUDGET_GB * 2**30
+
+
+def test_the_search_doubles_then_bisects_to_the_granularity(monkeypatch, tmp_path):
+    """search_max_batch's arithmetic, with trials that "fit" up to 700 samples: doubling from 64
+    to the first failure (1024), then halving the gap down to the granularity (32)."""
+    script = load_module(SCRIPT)
+    tried = []
+
+    def fake_spawn(args, arm, batch_size, warmup_steps, timed_steps, work_dir):
+        tried.append(batch_size)
+        return {"batch_size": batch_size, "fits": batch_size <= 700, "peak_memory_bytes": batch_size}
+
+    monkeypatch.setattr(script, "spawn", fake_spawn)
+    args = script.parse_args(["--search_start", "64", "--search_granularity", "32", "--search_max", "4096"])
+    found = script.search_max_batch(args, "fp32", tmp_path)
+    assert tried == [64, 128, 256, 512, 1024, 768, 640, 704, 672]
+    assert (found["max_batch_size"], found["first_batch_not_fitting"]) == (672, 704)
+    assert found["first_batch_not_fitting"] - found["max_batch_size"] <= 32
+    capped = script.search_max_batch(
+        script.parse_args(["--search_start", "64", "--search_max", "256"]), "a", tmp_path
+    )
+    assert capped["max_batch_size"] == 256 and capped["capped_at_search_max"]
 
 
 def test_fp16_on_cpu_is_not_reduced_precision_and_gets_no_ratio(benchmark):
