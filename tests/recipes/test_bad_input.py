@@ -11,8 +11,8 @@ because the whole matrix in subprocesses would cost minutes of imports). What ev
   that holds a finished run (passed with --overwrite_output_dir, so a late failure would show);
 - no lock file left behind.
 
-bert_ner's own numeric flags get the out-of-range rows; its shared ones go through the same
-`check_shared_args` as the other recipes' (their rows test it). bert_qa joins when it exists.
+bert_ner's and bert_qa's own numeric flags get the out-of-range rows; their shared ones go
+through the same `check_shared_args` as the other recipes' (bert_glue's rows test it).
 """
 
 import contextlib
@@ -170,7 +170,38 @@ def ner_run(case: Path) -> dict:
     }
 
 
-WORKING_RUNS = {"bert_glue": glue_run, "bert_mlm": mlm_run, "bert_ner": ner_run}
+def squad_json(*questions, context="Ada Lovelace wrote the first program in 1843."):
+    qas = [
+        {
+            "id": str(i),
+            "question": question,
+            "answers": [{"text": answer, "answer_start": context.index(answer)}],
+        }
+        for i, (question, answer) in enumerate(questions)
+    ]
+    return json.dumps({"data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]})
+
+
+def qa_run(case: Path) -> dict:
+    write(case / "train.json", squad_json(("Who wrote it?", "Ada Lovelace"), ("When?", "1843")))
+    write(case / "dev.json", squad_json(("Who wrote the first program?", "Ada Lovelace")))
+    finished_run(case / "out")
+    return {
+        "train_file": case / "train.json",
+        "validation_file": case / "dev.json",
+        "model_name_or_path": TINY_BERT,
+        "output_dir": case / "out",
+        "overwrite_output_dir": True,
+        "max_train_steps": 1,
+        "per_device_train_batch_size": 4,
+        "max_seq_length": 48,
+        "doc_stride": 8,
+        "max_query_length": 16,
+        "activation_monitor_interval": 0,
+    }
+
+
+WORKING_RUNS = {"bert_glue": glue_run, "bert_mlm": mlm_run, "bert_ner": ner_run, "bert_qa": qa_run}
 
 
 def argv_of(flags: dict) -> list:
@@ -191,7 +222,7 @@ class Case:
 
 
 BOTH = ("bert_glue", "bert_mlm")
-ALL = ("bert_glue", "bert_mlm", "bert_ner")
+ALL = ("bert_glue", "bert_mlm", "bert_ner", "bert_qa")
 
 
 def bad_file(flag, filename, content):
@@ -352,7 +383,72 @@ def file_cases():
         ),
         "csv": ("bad.csv", "tokens,tags\n", r"bad\.csv: unsupported file type '\.csv'"),
     }
-    for recipe, table in (("bert_glue", glue), ("bert_mlm", mlm), ("bert_ner", ner)):
+    context = "Ada wrote it."
+    qa = {  # replacing bert_qa's --train_file
+        "json-truncated": (
+            "bad.json",
+            '{"data": [{"title": "t", "paragraphs": [',
+            r"bad\.json is not valid JSON",
+        ),
+        "squad-layout": (
+            "bad.json",
+            '{"data": [{"title": "t", "paragraphs": [{"context": "x"}]}]}',
+            r"bad\.json: article 1 paragraph 1 does not follow SQuAD's layout \(KeyError: 'qas'\)",
+        ),
+        "squad-no-questions": ("bad.json", '{"data": []}', r"bad\.json holds no questions"),
+        "squad-answer-offset": (
+            "bad.json",
+            json.dumps(
+                {
+                    "data": [
+                        {
+                            "paragraphs": [
+                                {
+                                    "context": context,
+                                    "qas": [
+                                        {
+                                            "id": "q",
+                                            "question": "Who?",
+                                            "answers": [{"text": "Ada", "answer_start": 4}],
+                                        }
+                                    ],
+                                }
+                            ]
+                        }
+                    ]
+                }
+            ),
+            r"bad\.json question 1 \(id 'q'\): answer 'Ada' is not at character 4 of the context \(found 'wro'\)",
+        ),
+        "squad-unanswerable": (
+            "bad.json",
+            json.dumps(
+                {
+                    "data": [
+                        {
+                            "paragraphs": [
+                                {"context": context, "qas": [{"id": "q", "question": "Who?", "answers": []}]}
+                            ]
+                        }
+                    ]
+                }
+            ),
+            r"bad\.json question 1 \(id 'q'\) has no answer\. .*--version_2_with_negative",
+        ),
+        "jsonl-no-answers": (
+            "bad.jsonl",
+            '{"question": "Who?", "context": "Ada wrote it."}\n',
+            r"bad\.jsonl has no column\(s\) \['answers'\].*--answer_column",
+        ),
+        "jsonl-answers-not-squad": (
+            "bad.jsonl",
+            '{"question": "Who?", "context": "Ada wrote it.", "answers": "Ada"}\n',
+            r"bad\.jsonl question 1 \(id '0'\): answers must be \{\"text\"",
+        ),
+        "jsonl-not-utf8": ("bad.jsonl", b'{"question": "caf\xe9"}\n', r"bad\.jsonl line 1 is not UTF-8"),
+        "txt": ("bad.txt", "Who? Ada", r"bad\.txt: unsupported file type '\.txt'"),
+    }
+    for recipe, table in (("bert_glue", glue), ("bert_mlm", mlm), ("bert_ner", ner), ("bert_qa", qa)):
         for name, (filename, content, message) in table.items():
             yield Case(f"file:{name}", (recipe,), bad_file("train_file", filename, content), message)
     for label_type, content, message in (
@@ -378,6 +474,12 @@ def file_cases():
         ("bert_ner",),
         bad_file("validation_file", "valid2.txt", "Acme B-ORG\nsaid O\n\nParis B-LOC\n"),
         r"valid2\.txt line 4: tag 'B-LOC' does not occur in the training data",
+    )
+    yield Case(
+        "file:stride-too-long",
+        ("bert_qa",),
+        setting(doc_stride=40),
+        r"--doc_stride 40 must be smaller than the context part of a window: .* = 29",
     )
     yield Case(
         "file:unseen-validation-label",
@@ -433,9 +535,10 @@ def numeric_flag_cases():
         for action in parser._actions:
             if action.type not in (int, float) or action.choices:
                 continue
-            if recipe == "bert_ner" and action.dest in shared:  # the rows of bert_glue test them
+            if recipe in ("bert_ner", "bert_qa") and action.dest in shared:  # bert_glue's rows test them
                 continue
-            for value in ["-1"] + (["nan", "inf"] if action.type is float else []):
+            below_zero = action.dest != "null_score_diff_threshold"  # a negative threshold is a setting
+            for value in ["-1"] * below_zero + (["nan", "inf"] if action.type is float else []):
                 flag = action.option_strings[0]
                 yield Case(
                     f"flag:{flag}={value}", (recipe,), setting(**{flag[2:]: value}), rf"{flag} must be "
@@ -472,7 +575,7 @@ def combination_cases():
     )
     yield Case(
         "combo:train-file-alone",
-        ("bert_ner",),
+        ("bert_ner", "bert_qa"),
         setting(validation_file=None),
         r"give both --train_file and --validation_file \(or neither",
     )

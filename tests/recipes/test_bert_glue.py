@@ -182,6 +182,7 @@ def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
     assert events.Scalars("final/eval_accuracy")[0].value == pytest.approx(results["eval_accuracy"])
 
 
+@pytest.mark.slow
 def test_real_minilm_fine_tune_learns_mrpc(tmp_path):
     """The README's quick start, verbatim: pretrained MiniLM-L6 fine-tuned on all 3,668 real MRPC
     training pairs from data/glue for one epoch, offline, with accelerate_configs/cpu.yaml.

@@ -29,7 +29,9 @@ def test_ls_lists_every_recipe_with_what_it_does_and_its_command(tmp_path):
     assert lines[3].strip().startswith("accelerate launch recipes/bert_mlm.py")
     assert lines[4].startswith("bert_ner") and "named-entity recognition" in lines[4]
     assert lines[5].strip().startswith("accelerate launch recipes/bert_ner.py")
-    assert len(lines) == 6
+    assert lines[6].startswith("bert_qa") and "extractive question answering" in lines[6]
+    assert lines[7].strip().startswith("accelerate launch recipes/bert_qa.py")
+    assert len(lines) == 8
     # The installed console script (requirements.txt installs the package) gives the same listing.
     (entry,) = [e for e in entry_points(group="console_scripts") if e.name == "amp-recipes"]
     assert entry.value == "amp_recipes.cli:main"
@@ -54,7 +56,7 @@ def test_cp_copies_refuses_to_overwrite_and_says_what_to_run(tmp_path):
     unknown = sh([*CLI, "cp", "gpt_pretrain", target], tmp_path)
     assert (
         unknown.returncode == 2
-        and "no recipe 'gpt_pretrain'; choose from bert_glue, bert_mlm, bert_ner" in unknown.stderr
+        and "no recipe 'gpt_pretrain'; choose from bert_glue, bert_mlm, bert_ner, bert_qa" in unknown.stderr
     )
 
 

@@ -9,6 +9,7 @@ from conftest import GLUE_DIR, REPO, load_recipe, log_history, reset_accelerate,
 from families import FAMILIES, build_family
 from transformers import (
     AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -18,6 +19,7 @@ RECIPES = {
     "bert_glue": AutoModelForSequenceClassification,
     "bert_mlm": AutoModelForMaskedLM,
     "bert_ner": AutoModelForTokenClassification,
+    "bert_qa": AutoModelForQuestionAnswering,
 }
 
 
@@ -73,6 +75,14 @@ def arguments(recipe, model_dir, corpus, output_dir):
             *("--train_file", conll / "train.txt", "--validation_file", conll / "valid.txt"),
             *("--max_train_samples", 32, "--max_eval_samples", 16, "--max_seq_length", 32),
         ]
+    if recipe == "bert_qa":
+        squad = REPO / "data" / "squad"
+        return [
+            *common,
+            *("--train_file", squad / "train.json", "--validation_file", squad / "dev.json"),
+            *("--max_train_samples", 16, "--max_eval_samples", 8, "--max_seq_length", 64),
+            *("--doc_stride", 16, "--max_query_length", 24),
+        ]
     return [*common, "--train_file", corpus, "--max_seq_length", 32]
 
 
@@ -88,4 +98,5 @@ def test_recipe_runs_on_family(recipes, family_dirs, corpus, tmp_path, family, r
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     with torch.inference_mode():
         output = model(**tokenizer(["a fine film", "dull"], padding=True, return_tensors="pt"))
-    assert torch.isfinite(output.logits).all()
+    logits = output.start_logits if recipe == "bert_qa" else output.logits
+    assert torch.isfinite(logits).all()

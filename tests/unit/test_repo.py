@@ -17,7 +17,7 @@ def recipe_parser_flags(name):
     return {option for action in parser._actions for option in action.option_strings if option != "--help"}
 
 
-@pytest.mark.parametrize("recipe", ["bert_glue", "bert_mlm", "bert_ner"])
+@pytest.mark.parametrize("recipe", ["bert_glue", "bert_mlm", "bert_ner", "bert_qa"])
 def test_every_recipe_flag_is_in_the_readme(recipe):
     readme = (REPO / "README.md").read_text()
     documented = set(re.findall(r"`(--[a-z0-9_]+)`", readme))
@@ -52,6 +52,7 @@ def documented_defaults(section_title: str) -> dict[str, str]:
         ("bert_glue", "### Flags of `recipes/bert_glue.py`"),
         ("bert_mlm", "## Domain-adaptive"),
         ("bert_ner", "### Flags of `recipes/bert_ner.py`"),
+        ("bert_qa", "### Flags of `recipes/bert_qa.py`"),
     ],
 )
 def test_the_readme_gives_each_flag_the_parsers_default(recipe, section):
@@ -65,6 +66,7 @@ def test_the_readme_gives_each_flag_the_parsers_default(recipe, section):
         "auto",
         "outputs/<task>",
         "outputs/ner",
+        "outputs/qa",
         "$GLUE_DIR",
         "2 on CUDA, else 0",
         "main process",
@@ -128,15 +130,17 @@ PRECISION_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("recipe", ["bert_glue", "bert_mlm", "bert_ner"])
+@pytest.mark.parametrize("recipe", ["bert_glue", "bert_mlm", "bert_ner", "bert_qa"])
 def test_every_precision_line_is_marked_for_grep(recipe):
     lines = (RECIPES / f"{recipe}.py").read_text().splitlines()
     calls = [
         *PRECISION_CALLS,
         "dtype=torch.float32",
-        {"bert_mlm": "= SeededMaskCollator(", "bert_ner": "DataCollatorForTokenClassification("}.get(
-            recipe, "make_collator("
-        ),
+        {
+            "bert_mlm": "= SeededMaskCollator(",
+            "bert_ner": "DataCollatorForTokenClassification(",
+            "bert_qa": "collator = DataCollatorWithPadding(",
+        }.get(recipe, "make_collator("),
     ]
     unmarked = [call for call in calls if not marked(lines, call)]
     assert not unmarked, f"{recipe}.py: precision lines without '# AMP:': {unmarked}"
@@ -150,6 +154,7 @@ def test_the_recipes_mark_the_same_precision_lines():
     glue = precision_lines(RECIPES / "bert_glue.py", only_main=True)
     mlm = precision_lines(RECIPES / "bert_mlm.py", only_main=True)
     assert precision_lines(RECIPES / "bert_ner.py", only_main=True) == glue
+    assert precision_lines(RECIPES / "bert_qa.py", only_main=True) == glue
     assert len(glue) > 15 and set(glue) <= set(mlm)
     # bert_glue loads its model in load_model(); bert_mlm in main(): the one line main() adds.
     assert [line for line in mlm if line not in glue] == [
@@ -158,7 +163,7 @@ def test_the_recipes_mark_the_same_precision_lines():
 
 
 def test_main_reads_in_five_minutes():
-    for recipe in ("bert_glue", "bert_mlm", "bert_ner"):
+    for recipe in ("bert_glue", "bert_mlm", "bert_ner", "bert_qa"):
         text = (RECIPES / f"{recipe}.py").read_text()
         main = text[text.index("def main(") : text.index('if __name__ == "__main__":')]
         assert len(main.splitlines()) <= 235, recipe  # the target was 200: see recipes/README.md
@@ -240,6 +245,10 @@ def test_the_shipped_data_is_what_data_readme_says():
     for path in sorted((REPO / "data" / "conll2003").glob("*.txt")):  # research-only: an excerpt
         assert hashlib.sha256(path.read_bytes()).hexdigest()[:16] in readme, path
         assert path.stat().st_size < 200_000, path
+    for path in sorted((REPO / "data" / "squad").glob("*.json")):  # CC BY-SA: a sample, attributed
+        assert hashlib.sha256(path.read_bytes()).hexdigest()[:16] in readme, path
+        assert path.stat().st_size < 300_000, path
+    assert len(list((REPO / "data" / "squad").glob("*.json"))) == 2
     vocab = (REPO / "data" / "models" / "bert-base-uncased" / "vocab.txt").read_text().splitlines()
     assert len(vocab) == 30522
 

@@ -1,0 +1,484 @@
+"""Fine-tune a BERT-family encoder for extractive question answering (SQuAD v1.1 / 2.0 or your own) with mixed precision.
+
+    accelerate launch recipes/bert_qa.py --mixed_precision fp16
+    python recipes/bert_qa.py --train_file train.json --validation_file dev.json --model_name_or_path ./my-bert
+
+Extractive QA: the answer is a span of the context, found by a start and an end logit per token.
+Question first, the context cut into overlapping windows (--max_seq_length 384, --doc_stride 128);
+the windows' logits, as float32, become answer texts (n-best spans, SQuAD 2.0's null score) that
+SQuAD's official exact match and F1 score. accelerate owns autocast and the fp16 GradScaler; this
+file asks for them and reports what is really in effect. Every precision-specific line is marked
+`# AMP:` (`grep -n "AMP:" <recipe>` lists them). Copy it as the template for your own job
+(`amp-recipes cp bert_qa my_qa.py`).
+"""
+
+import argparse
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForQuestionAnswering,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    get_scheduler,
+)
+
+from amp_recipes.arguments import add_shared_args, add_worker_args, check_ranges, check_shared_args
+from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
+from amp_recipes.compile import CompileMonitor, dynamo_plugin
+from amp_recipes.data import check_max_length, first_rows, loader_settings, pad_multiple, train_sampler
+from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
+from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
+from amp_recipes.metrics import load_metric
+from amp_recipes.optim import make_optimizer, training_schedule
+from amp_recipes.outputs import claim_output_dir
+from amp_recipes.precision import check_model_dtype, log_preflight, preflight, resolve_mixed_precision
+from amp_recipes.qa import load_files, load_hub, postprocess, tokenize_windows
+from amp_recipes.records import RunRecord, init_trackers, write_final_figures, write_json_atomic
+from amp_recipes.telemetry import ActivationMonitor, StepTelemetry
+
+logger = get_logger(__name__)
+
+
+# ----------------------------------------------------------------------------- args
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    data = parser.add_argument_group("data")
+    data.add_argument(
+        "--dataset_name",
+        help="Hub dataset in squad's layout (default: rajpurkar/squad, or squad_v2 with -v2).",
+    )
+    data.add_argument(
+        "--train_file",
+        help="Your own training data: SQuAD-format .json, or .json/.jsonl rows (question, context, answers).",
+    )
+    data.add_argument("--validation_file", help="Your own validation data, same format as --train_file.")
+    data.add_argument("--question_column", default="question", help="Question column of .json/.jsonl rows.")
+    data.add_argument("--context_column", default="context", help="Context column of .json/.jsonl rows.")
+    data.add_argument(
+        "--answer_column",
+        default="answers",
+        help='Answers column of .json/.jsonl rows: {"text": [...], "answer_start": [...]}.',
+    )
+    data.add_argument(
+        "--version_2_with_negative",
+        action="store_true",
+        help="SQuAD 2.0: some questions have no answer; the model may answer nothing.",
+    )
+    data.add_argument(
+        "--max_seq_length", type=int, default=384, help="Tokens per window: question + context."
+    )
+    data.add_argument("--doc_stride", type=int, default=128, help="Tokens of context shared by two windows.")
+    data.add_argument("--max_query_length", type=int, default=64, help="Longer questions are cut to this.")
+    data.add_argument("--max_train_samples", type=int, help="Use only the first N training questions.")
+    data.add_argument("--max_eval_samples", type=int, help="Use only the first N validation questions.")
+    data.add_argument(
+        "--group_by_length", action="store_true", help="Batch similar lengths together (less padding)."
+    )
+    add_worker_args(data)
+    answers = parser.add_argument_group("answers")
+    answers.add_argument("--n_best_size", type=int, default=20, help="Start and end candidates per window.")
+    answers.add_argument("--max_answer_length", type=int, default=30, help="Longest answer, in tokens.")
+    answers.add_argument(
+        "--null_score_diff_threshold",
+        type=float,
+        default=0.0,
+        help="SQuAD 2.0: answer nothing when null score - best span score exceeds this.",
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
+    add_shared_args(parser, output_default="outputs/qa")  # training, precision, output flags
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.train_file) != bool(args.validation_file):
+        parser.error("give both --train_file and --validation_file (or neither: the Hub's SQuAD).")
+    check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
+    at_least_1 = (lambda v: v >= 1, "at least 1")
+    limits = ["max_seq_length", "doc_stride", "max_query_length", "max_train_samples", "max_eval_samples"]
+    ranges = dict.fromkeys([*limits, "n_best_size", "max_answer_length"], at_least_1)
+    check_ranges(parser, args, {**ranges, "null_score_diff_threshold": (math.isfinite, "a finite number")})
+    args.output_dir = args.output_dir or os.path.join("outputs", "qa")
+    return args
+
+
+# ----------------------------------------------------------------------------- data
+def load_data(args, tokenizer, accelerator):
+    """The questions (Hub or your files), their windows and DataLoaders. Edit this function for other data."""
+    check_max_length(tokenizer, args.max_seq_length)
+    with accelerator.main_process_first():  # the main process loads and tokenises, the others read its cache
+        if args.train_file:
+            columns = {
+                "question": args.question_column,
+                "context": args.context_column,
+                "answers": args.answer_column,
+            }
+            task = load_files(args.train_file, args.validation_file, columns, args.version_2_with_negative)
+        else:
+            task = load_hub(args.version_2_with_negative, args.dataset_name)
+        task.splits["train"] = first_rows(task.splits["train"], args.max_train_samples)
+        task.splits["validation"] = first_rows(task.splits["validation"], args.max_eval_samples)
+        windows = tokenize_windows(
+            task.splits,
+            tokenizer,
+            args.max_seq_length,
+            args.doc_stride,
+            args.max_query_length,
+            args.preprocessing_num_workers,
+        )
+    # Evaluation maps each window's logits back to its question's context: kept aside, not batched.
+    examples = task.splits["validation"]
+    eval_windows = (
+        windows["validation"].select_columns(["example_index", "cls_index", "offset_mapping"]).to_dict()
+    )
+    windows["validation"] = windows["validation"].remove_columns(
+        ["example_index", "cls_index", "offset_mapping"]
+    )
+    # AMP: fp16/bf16 batches are padded to a multiple of 8, the shapes Tensor Cores run fastest.
+    collator = DataCollatorWithPadding(
+        tokenizer, pad_to_multiple_of=pad_multiple(accelerator.mixed_precision)
+    )
+    loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)
+    batch_size = args.per_device_train_batch_size
+    sampler = train_sampler(windows["train"], batch_size, args.group_by_length, args.seed)
+    train_dataloader = DataLoader(
+        windows["train"],
+        batch_size=batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        # Its own generator: starting an epoch's iterator then draws nothing from the global RNG
+        # (dropout), so a run resumed mid-epoch continues the same random stream.
+        generator=torch.Generator().manual_seed(args.seed),
+        **loader_kwargs,
+    )
+    eval_dataloader = DataLoader(
+        windows["validation"], batch_size=args.per_device_eval_batch_size, **loader_kwargs
+    )
+    unanswered = sum(not answers["text"] for answers in examples["answers"])
+    logger.info(
+        f"{task.name}: {len(task.splits['train'])} training questions in {len(windows['train'])} windows, "
+        f"{len(examples)} validation questions ({unanswered} without an answer) in "
+        f"{len(windows['validation'])} windows of {args.max_seq_length} tokens, stride {args.doc_stride}"
+    )
+    return task, train_dataloader, eval_dataloader, {"examples": examples, "windows": eval_windows}
+
+
+def load_model(args, config):
+    """The pretrained encoder with a new span head: a start and an end logit per token."""
+    with model_load_errors(args.model_name_or_path):
+        return AutoModelForQuestionAnswering.from_pretrained(
+            args.model_name_or_path,
+            config=config,
+            dtype=torch.float32,  # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts
+        )
+
+
+# ----------------------------------------------------------------------------- evaluate
+def evaluate(model, eval_dataloader, metric, accelerator, gold, args):
+    """Answer every validation question from its windows' logits, write predictions.json (and
+    null_odds.json for SQuAD 2.0) to --output_dir, and score exact match and F1."""
+    model.eval()
+    start_logits, end_logits = [], []
+    # fork_rng: iterating a DataLoader draws from the global RNG, and evaluating must not change
+    # the dropout and shuffling that training sees next (same run, whatever --eval_steps is).
+    cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices), torch.inference_mode():
+        for batch in eval_dataloader:
+            outputs = model(**batch)
+            # AMP: the logits leave autocast as float32: span scores add a start and an end logit and
+            # SQuAD 2.0 subtracts two such sums, which fp16/bf16's few mantissa bits would round.
+            starts, ends = outputs.start_logits.float(), outputs.end_logits.float()
+            # Windows are padded per batch: equal lengths across processes before gathering. The
+            # padding is never read (post-processing reads a window's own length only).
+            starts = accelerator.pad_across_processes(starts, dim=1, pad_index=-10_000)
+            ends = accelerator.pad_across_processes(ends, dim=1, pad_index=-10_000)
+            # gather_for_metrics drops the windows the last batch repeats to fill every process, and
+            # keeps the validation order, so the i-th gathered row is the i-th validation window.
+            starts, ends = accelerator.gather_for_metrics((starts, ends))
+            start_logits.extend(starts.cpu().numpy())
+            end_logits.extend(ends.cpu().numpy())
+    model.train()
+    examples = gold["examples"]
+    predictions, null_odds = postprocess(
+        examples,
+        gold["windows"],
+        start_logits,
+        end_logits,
+        args.n_best_size,
+        args.max_answer_length,
+        args.version_2_with_negative,
+        args.null_score_diff_threshold,
+    )
+    if accelerator.is_main_process:  # the files SQuAD's official evaluation scripts read
+        write_json_atomic(Path(args.output_dir) / "predictions.json", predictions)
+        if args.version_2_with_negative:
+            write_json_atomic(Path(args.output_dir) / "null_odds.json", null_odds)
+    formatted = [
+        {
+            "id": qid,
+            "prediction_text": text,
+            **({"no_answer_probability": null_odds[qid]} if null_odds else {}),
+        }
+        for qid, text in predictions.items()
+    ]
+    references = [
+        {"id": qid, "answers": answers}
+        for qid, answers in zip(examples["id"], examples["answers"], strict=True)
+    ]
+    scores = {**metric.compute(predictions=formatted, references=references), "samples": len(examples)}
+    return {f"eval_{name}": value for name, value in {**scores, "windows": len(start_logits)}.items()}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+
+    # ------------------------------------------------------------------------- accelerator
+    # AMP: `auto` becomes bf16 where the device has it natively, else fp16 on a Tensor-Core GPU, else fp32.
+    mixed_precision, auto_reason = resolve_mixed_precision(args.mixed_precision)
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,  # AMP: fp16/bf16/no; None: `accelerate launch` or its config decides
+        kwargs_handlers=[  # AMP: fp16's loss scaling: accelerate creates the GradScaler with these settings
+            GradScalerKwargs(
+                init_scale=args.fp16_init_scale,
+                growth_factor=args.fp16_growth_factor,
+                backoff_factor=args.fp16_backoff_factor,
+                growth_interval=args.fp16_growth_interval,
+            )
+        ],
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # --torch_compile: one graph for every padded length, the repeated layer compiled once.
+        dynamo_plugin=dynamo_plugin(args),
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True,  # shuffling seeded by (seed, epoch): a resume sees the same batches
+            non_blocking=torch.cuda.is_available(),  # copies to the GPU from pinned memory, without a stall
+        ),
+        log_with=None if args.report_to == "none" else args.report_to,  # W&B / TensorBoard
+        project_dir=args.output_dir,
+    )
+    # AMP: the precision really in effect and who chose it; refuses what cannot work (bf16 on a
+    # pre-Ampere GPU, an unconnected multi-process launch), warns about what silently misbehaves.
+    precision = preflight(accelerator, mixed_precision, auto_reason)
+    log_preflight(precision, logger)
+    precision_in_effect = precision["precision_in_effect"]
+    output = claim_output_dir(accelerator, args)  # refuses a folder that holds a run; locks it (PID)
+    set_seed(args.seed)
+
+    # ------------------------------------------------------------------------- data
+    with model_load_errors(args.model_name_or_path):
+        config = AutoConfig.from_pretrained(args.model_name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    task, train_dataloader, eval_dataloader, gold = load_data(args, tokenizer, accelerator)
+
+    # ------------------------------------------------------------------------- model
+    model = load_model(args, config)
+    check_model_dtype(model, precision_in_effect, accelerator.distributed_type)  # AMP: no .half() weights
+
+    # ------------------------------------------------------------------------- optimizer
+    optimizer = make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
+    schedule = training_schedule(len(train_dataloader), accelerator, args)  # optimizer steps per process
+    lr_scheduler = get_scheduler(
+        "linear", optimizer, int(args.warmup_ratio * schedule.scheduler_steps), schedule.scheduler_steps
+    )
+
+    # ------------------------------------------------------------------------- prepare
+    # AMP: prepare() wraps the model's forward in autocast (fp16/bf16), so no line below calls it,
+    # and the optimizer, so that under fp16 its step goes through the GradScaler.
+    model, optimizer, train_dataloader, lr_scheduler, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, lr_scheduler, eval_dataloader
+    )
+    metric = load_metric("squad", "v2" if args.version_2_with_negative else "v1")  # shipped: works offline
+
+    # ------------------------------------------------------------------------- resume
+    checkpoints_dir = Path(args.output_dir) / "checkpoints"
+    model_shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"
+    run_kind = {
+        "task_name": task.name,
+        "version_2_with_negative": args.version_2_with_negative,
+        "model": model_shape,
+        "seed": args.seed,
+    }
+    # --resume_from_checkpoint: model, optimizer, scheduler, GradScaler and RNG states; else step 0.
+    resumed = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, run_kind)
+    # AMP: loss scale, skipped steps, grad norm, non-finite checks; created after a resume has
+    # restored the GradScaler, so it starts from the checkpoint's loss scale.
+    telemetry = StepTelemetry(accelerator, model, args.max_consecutive_skipped_steps, args.diagnose_overflow)
+    telemetry.load_state_dict(resumed.get("telemetry", {}))
+    # AMP: each module's max |activation| / 65504; off under --torch_compile (its hooks would recompile).
+    monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
+    activations = ActivationMonitor(accelerator.unwrap_model(model), monitor_interval)
+    compiled = CompileMonitor(args.torch_compile)  # graphs compiled; whether dynamo gave up recompiling
+    run_facts = {  # for the trackers' config and eval_results.json
+        **precision,
+        "task_name": task.name,
+        "version_2_with_negative": args.version_2_with_negative,
+        "model_type": config.model_type,
+        "distributed_type": accelerator.distributed_type.value,
+        "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
+        # SDPA (fused attention kernels) is transformers' default where the model has it.
+        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,
+        "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
+    }
+    run_config = {**vars(args), **run_facts, **schedule._asdict()}
+    output.clear_previous_run(accelerator)  # --overwrite_output_dir: the old run's checkpoints go
+    init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
+    record = RunRecord(args.output_dir, accelerator.is_main_process, resumed["global_step"] or None)
+    logger.info(f"Run config: {run_config}")
+
+    # ------------------------------------------------------------------------- train
+    meter = ThroughputMeter(accelerator.device)
+
+    def run_evaluation(step, epoch):  # exact match and F1, logged; its time stays out of the throughput
+        with meter.paused():
+            scores = evaluate(model, eval_dataloader, metric, accelerator, gold, args)
+        results = {"epoch": epoch, **scores}
+        logger.info(f"step {step}: {results}")
+        accelerator.log(results, step=step)
+        record.log(results, step)
+        return results
+
+    def save(step, epoch, batches_in_epoch):  # crash-safe: written aside, renamed when complete
+        telemetry.check_finite(step, precision_in_effect)  # AMP: never saves weights spoiled by inf/NaN
+        position = {**run_kind, "epoch": epoch, "batches_in_epoch": batches_in_epoch}
+        position["telemetry"] = telemetry.state_dict()  # AMP: skipped-step counts (the GradScaler's own)
+        return save_checkpoint(accelerator, checkpoints_dir, step, position, args.save_total_limit)
+
+    completed_steps, results = resumed["global_step"], {}
+    checkpoint_every = int(args.checkpointing_steps) if str(args.checkpointing_steps).isdigit() else None
+    max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still measured
+    if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
+        results = {**run_evaluation(completed_steps, resumed["epoch"]), **run_facts, **compiled.report()}
+        record.write_results({**results, "model_name_or_path": args.model_name_or_path})
+        write_final_figures(accelerator, results, completed_steps)  # W&B run summary, TensorBoard
+        accelerator.end_training()
+        output.release()
+        return results
+    preemption = PreemptionHandler()  # SIGTERM/SIGINT: stop after the current step, with a checkpoint
+    progress = tqdm(
+        total=schedule.max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process
+    )
+    model.train()
+    for epoch in range(resumed["epoch"], schedule.num_epochs):
+        train_dataloader.set_epoch(epoch)  # the epoch's shuffle depends on (seed, epoch) only
+        resume_batches = resumed["batches_in_epoch"] if epoch == resumed["epoch"] else 0
+        batches = train_dataloader  # a resumed run skips the batches its checkpoint had seen:
+        if resume_batches:
+            batches = accelerator.skip_first_batches(train_dataloader, resume_batches)
+        for batches_in_epoch, batch in enumerate(batches, start=resume_batches + 1):
+            grad_norm = None
+            with accelerator.accumulate(model), telemetry.watch():
+                loss = model(**batch).loss  # AMP: the forward runs under autocast (prepare); the loss is fp32
+                accelerator.backward(loss)  # AMP: fp16: scales the loss by the GradScaler's scale first
+                if accelerator.sync_gradients:  # AMP: unscales fp16 gradients, then clips (0: measures only)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                optimizer.step()  # AMP: fp16: the GradScaler skips the step when a gradient is inf/NaN
+                # AMP: a skipped step must not advance the schedule. accelerate holds the scheduler back then,
+                # but misses a fused optimizer's skips; the telemetry reads the GradScaler's scale instead.
+                overflow = telemetry.after_optimizer_step()
+                if not overflow:
+                    lr_scheduler.step()
+                optimizer.zero_grad()
+            telemetry.observe(loss, grad_norm)  # stays on the device: no per-step synchronisation
+            meter.update(batch)
+            if not accelerator.sync_gradients:
+                continue
+            completed_steps += 1
+            progress.update(1)
+            # AMP: name the first non-finite module of a skipped fp16 step (--diagnose_overflow: of any step).
+            nonfinite_at = telemetry.first_nonfinite(batch) if overflow or args.diagnose_overflow else None
+            if overflow or nonfinite_at:
+                logger.warning(telemetry.nonfinite_message(completed_steps, overflow, nonfinite_at))
+            if telemetry.too_many_skips():  # AMP: no loss scale helps any more; the weights are unchanged
+                if args.checkpointing_steps:
+                    save(completed_steps, epoch, batches_in_epoch)
+                raise TrainingDiverged(telemetry.stop_message(completed_steps, nonfinite_at))
+            if completed_steps % args.logging_steps == 0 or completed_steps == schedule.max_train_steps:
+                logs = {
+                    **telemetry.read(),  # AMP: loss, grad_norm; fp16: loss_scale, skipped_steps (one host sync)
+                    "learning_rate": lr_scheduler.get_last_lr()[0],
+                    "epoch": completed_steps / schedule.steps_per_epoch,
+                    **meter.read(accelerator),  # samples/s, tokens/s, padding since the last log line
+                    **{f"fp16_range/{name}": ratio for name, ratio in activations.read().items()},  # AMP
+                }
+                telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: bf16/fp32 stop on inf/NaN
+                progress.set_postfix(
+                    {k: logs[k] for k in ("loss", "loss_scale", "skipped_steps") if k in logs}
+                )
+                accelerator.log(logs, step=completed_steps)
+                record.log(logs, completed_steps)
+            if args.eval_steps and completed_steps % args.eval_steps == 0:
+                results = run_evaluation(completed_steps, epoch + 1)
+            if checkpoint_every and completed_steps % checkpoint_every == 0:
+                save(completed_steps, epoch, batches_in_epoch)
+            if preemption.should_stop(accelerator, completed_steps):  # a SIGTERM/SIGINT arrived
+                path = save(completed_steps, epoch, batches_in_epoch)
+                logger.warning(preemption.stop_message(completed_steps, path))
+                preemption.restore()
+                accelerator.end_training()
+                output.release()
+                sys.exit(preemption.exit_code)
+            if completed_steps >= schedule.max_train_steps:
+                break
+        padding = meter.epoch_padding_fraction(accelerator)  # --group_by_length lowers it
+        logger.info(
+            f"epoch {epoch + 1}: {padding:.1%} of the batches' tokens were padding", main_process_only=True
+        )
+        accelerator.log({"epoch_padding_fraction": padding}, step=completed_steps)
+        record.log({"epoch_padding_fraction": padding}, completed_steps)
+        if not (args.eval_steps and completed_steps % args.eval_steps == 0):  # unless just evaluated
+            results = run_evaluation(completed_steps, epoch + 1)
+        if args.checkpointing_steps == "epoch":
+            save(completed_steps, epoch + 1, 0)
+    progress.close()
+    preemption.restore()
+    activations.remove()
+    telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: never saves spoiled weights
+
+    # ------------------------------------------------------------------------- save
+    summary = {
+        **results,
+        **run_facts,
+        "model_name_or_path": args.model_name_or_path,
+        "train_steps": completed_steps,
+        **meter.run_rates(),  # training runtime, samples/s and tokens/s (evaluation left out)
+        "peak_memory_bytes": peak_memory_bytes(accelerator.device),
+        **telemetry.summary(),  # AMP: fp16 skipped steps and final loss scale; non-finite losses
+        "fp16_range": activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
+        **compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
+    }
+    with output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
+        # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
+        accelerator.unwrap_model(model).save_pretrained(
+            folder,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=accelerator.get_state_dict(model),
+        )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(folder)
+    record.write_results(summary)  # written last: its presence means the run finished
+    write_final_figures(accelerator, summary, completed_steps)  # W&B run summary, TensorBoard
+    logger.info(f"Saved model and eval_results.json to {args.output_dir}: {summary}")
+    accelerator.end_training()
+    output.release()
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (InputError, TrainingDiverged) as error:
+        sys.exit(f"error: {error}")
