@@ -171,7 +171,7 @@ def load_checkpoint(accelerator, checkpoint: Path) -> None:
         ) from error
 
 
-FRESH_RUN = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "tracker_run_id": None}
+FRESH_RUN = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "tracker_run_id": None, "log_epoch": 0}
 
 
 def resume(accelerator, value: str | None, checkpoints_dir: Path, identity: dict) -> dict:
@@ -186,7 +186,9 @@ def resume(accelerator, value: str | None, checkpoints_dir: Path, identity: dict
         logger.warning(warning, main_process_only=True)
     load_checkpoint(accelerator, path)
     logger.info(f"Resumed from {path} at step {record['global_step']}", main_process_only=True)
-    return record
+    # The epoch an evaluation at this position is logged with: the loop counts an epoch from its
+    # first batch (`epoch + 1`), so a checkpoint saved mid-epoch belongs to the epoch it is in.
+    return {**record, "log_epoch": record["epoch"] + (record["batches_in_epoch"] > 0)}
 
 
 def tracker_run_id(accelerator) -> str | None:

@@ -266,7 +266,7 @@ def main(argv=None):
     checkpoint_every = int(args.checkpointing_steps) if str(args.checkpointing_steps).isdigit() else None
     max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still measured
     if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
-        results = {**run_evaluation(completed_steps, resumed["epoch"]), **run_facts, **compiled.report()}
+        results = {**run_evaluation(completed_steps, resumed["log_epoch"]), **run_facts, **compiled.report()}
         record.write_results({**results, "model_name_or_path": args.model_name_or_path})
         write_final_figures(accelerator, results, completed_steps)  # W&B run summary, TensorBoard
         accelerator.end_training()
