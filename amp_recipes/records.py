@@ -36,6 +36,11 @@ def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
         json.dump(payload, handle, indent=2)
         handle.flush()
         os.fsync(handle.fileno())
+    # tempfile creates it private (0600); give it the mode any new file gets (0644 under umask 022),
+    # so that colleagues on a shared machine can read the results.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(handle.name, 0o666 & ~umask)
     os.replace(handle.name, path)
 
 

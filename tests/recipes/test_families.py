@@ -100,3 +100,16 @@ def test_recipe_runs_on_family(recipes, family_dirs, corpus, tmp_path, family, r
         output = model(**tokenizer(["a fine film", "dull"], padding=True, return_tensors="pt"))
     logits = output.start_logits if recipe == "bert_qa" else output.logits
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bert_glue_runs_on_family_under_bf16(recipes, family_dirs, corpus, tmp_path, family):
+    """bf16 autocast (real on a CPU too): every family's forward and backward stay finite, and
+    the saved weights are float32 (the master copy, not the autocast casts)."""
+    argv = [*arguments("bert_glue", family_dirs[family], corpus, tmp_path), "--mixed_precision", "bf16"]
+    results = train(recipes["bert_glue"], argv)
+    assert results["precision_in_effect"] == "bf16" and results["train_steps"] == 3
+    losses = [row["loss"] for row in log_history(tmp_path) if "loss" in row]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    model = RECIPES["bert_glue"].from_pretrained(tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

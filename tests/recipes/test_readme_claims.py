@@ -113,3 +113,39 @@ def test_preprocessing_workers_tokenise_the_same_batches(recipe, tmp_path):
     assert len(runs[None]) == 3 and runs[2] == runs[None]
     config = json.loads((tmp_path / "workers-2" / "eval_results.json").read_text())
     assert config["train_steps"] == 3
+
+
+def test_unset_flag_lets_accelerate_launch_decide_and_report_to_all_feeds_both_trackers(tmp_path):
+    """`accelerate launch --mixed_precision bf16` with no --mixed_precision for the recipe: bf16
+    autocast runs (the launcher decided, and the run says so); --report_to all writes the W&B
+    offline run and the TensorBoard events. The recipe's own flag overrides the launcher's."""
+    from conftest import RECIPES, accelerate_launch, run
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from wandb_offline import offline_run
+
+    flags = glue_flags(**TINY, max_train_steps=2, report_to="all", output_dir=tmp_path / "launcher")
+    launch = ["--num_processes", 1, "--cpu", "--mixed_precision", "bf16"]
+    result = run(accelerate_launch(*launch, RECIPES / "bert_glue.py", *flags), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "launcher" / "eval_results.json").read_text())
+    assert results["mixed_precision_requested"] == "bf16" and results["precision_in_effect"] == "bf16"
+    assert results["mixed_precision_source"] == "accelerate launch / config file (ACCELERATE_MIXED_PRECISION)"
+    _, config, history = offline_run(tmp_path)
+    assert config["precision_in_effect"] == "bf16"
+    losses = [(row["_step"], row["loss"]) for row in history if "loss" in row]
+    events = EventAccumulator(str(tmp_path / "launcher" / "amp-recipes"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (s, pytest.approx(v, rel=1e-6)) for s, v in losses
+    ]
+    assert len(losses) == 2
+
+    flags = glue_flags(**TINY, max_train_steps=1, mixed_precision="no", output_dir=tmp_path / "flag")
+    result = run(accelerate_launch(*launch, RECIPES / "bert_glue.py", *flags), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "flag" / "eval_results.json").read_text())
+    assert results["precision_in_effect"] == "fp32"
+    assert (
+        results["mixed_precision_source"]
+        == "--mixed_precision flag (no; overrides accelerate launch/config's bf16)"
+    )

@@ -1,6 +1,7 @@
 """Tokenisation (datasets' cache), collation, length grouping, optimizer groups and the run record."""
 
 import json
+import os
 
 import datasets
 import torch
@@ -66,6 +67,13 @@ def test_atomic_json_replaces_whole_files_and_leaves_no_temporaries(tmp_path):
     write_json_atomic(tmp_path / "r.json", {"a": 2})
     assert json.loads((tmp_path / "r.json").read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    umask = os.umask(0o027)  # as a group-shared cluster account might have it
+    try:
+        write_json_atomic(tmp_path / "shared.json", {"a": 3})
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "shared.json").stat().st_mode & 0o777 == 0o640  # not tempfile's private 0600
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_run_record_writes_only_when_enabled(tmp_path):
