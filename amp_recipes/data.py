@@ -228,15 +228,27 @@ def load_glue_from_dir(task: GlueTask, data_dir, cache_dir: str | None = None) -
     )
 
 
-def load_glue_from_hub(task: GlueTask, cache_dir: str | None = None) -> datasets.DatasetDict:
+def load_hub_dataset(name: str, *config: str, what: str | None = None, offline: str, **kwargs):
+    """`datasets.load_dataset(name, *config, **kwargs)` from the Hub; any failure is one InputError
+    that names the dataset (`what`, default `name`) and says, in `offline`, how to work from local
+    files instead."""
     try:
-        raw = datasets.load_dataset("nyu-mll/glue", task.name, cache_dir=cache_dir)
+        return datasets.load_dataset(name, *config, **kwargs)
     except Exception as error:  # connection, offline-mode and missing-cache errors differ by version
         raise InputError(
-            f"Could not load GLUE {task.name} from the Hugging Face Hub ({type(error).__name__}). "
-            "Offline? Point --data_dir (or $GLUE_DIR) at the classic GLUE folder of TSV files "
-            "(the repository ships CoLA, MRPC, RTE and SST-2 in data/glue)."
+            f"Could not load {what or name} from the Hugging Face Hub ({type(error).__name__}). Offline? {offline}"
         ) from error
+
+
+def load_glue_from_hub(task: GlueTask, cache_dir: str | None = None) -> datasets.DatasetDict:
+    raw = load_hub_dataset(
+        "nyu-mll/glue",
+        task.name,
+        what=f"GLUE {task.name}",
+        offline="Point --data_dir (or $GLUE_DIR) at the classic GLUE folder of TSV files "
+        "(the repository ships CoLA, MRPC, RTE and SST-2 in data/glue).",
+        cache_dir=cache_dir,
+    )
     keep = ["train", *task.eval_splits]
     return datasets.DatasetDict(
         {split: raw[split].select_columns([*task.text_columns, "label"]) for split in keep}

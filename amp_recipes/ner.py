@@ -13,7 +13,7 @@ from pathlib import Path
 
 import datasets
 
-from .data import _check_file, _load_user_file, check_max_length
+from .data import _check_file, _load_user_file, check_max_length, load_hub_dataset
 from .errors import InputError
 
 HUB_DATASET = "eriktks/conll2003"  # the Hub's CoNLL-2003 (English), integer tags + their names
@@ -169,14 +169,13 @@ def check_known_tags(table: datasets.Dataset, label_names, path: str, train_sour
 
 # ----------------------------------------------------------------------------- sources
 def load_hub(name: str = HUB_DATASET, revision: str | None = HUB_REVISION, cache_dir=None) -> TaggingData:
-    try:
-        raw = datasets.load_dataset(name, revision=revision, cache_dir=cache_dir)
-    except Exception as error:  # connection, offline-mode and missing-cache errors differ by version
-        raise InputError(
-            f"Could not load {name} from the Hugging Face Hub ({type(error).__name__}). Offline? Give "
-            "--train_file and --validation_file (CoNLL text or JSON; the repository ships a CoNLL-2003 "
-            "excerpt in data/conll2003)."
-        ) from error
+    raw = load_hub_dataset(
+        name,
+        offline="Give --train_file and --validation_file (CoNLL text or JSON; the repository ships a "
+        "CoNLL-2003 excerpt in data/conll2003).",
+        revision=revision,
+        cache_dir=cache_dir,
+    )
     names = raw["train"].features["ner_tags"].feature.names
     splits = datasets.DatasetDict()
     for split in ("train", "validation"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .data import _check_file, _load_user_file
+from .data import _check_file, _load_user_file, check_max_length, load_hub_dataset
 from .errors import InputError
 
 HUB_DATASETS = {False: "rajpurkar/squad", True: "rajpurkar/squad_v2"}  # by --version_2_with_negative
@@ -141,14 +141,12 @@ def check_rows(table: datasets.Dataset, path: str, version_2: bool) -> None:
 # ----------------------------------------------------------------------------- sources
 def load_hub(version_2: bool, name: str | None = None, cache_dir=None) -> QAData:
     name = name or HUB_DATASETS[version_2]
-    try:
-        raw = datasets.load_dataset(name, cache_dir=cache_dir)
-    except Exception as error:  # connection, offline-mode and missing-cache errors differ by version
-        raise InputError(
-            f"Could not load {name} from the Hugging Face Hub ({type(error).__name__}). Offline? Give "
-            "--train_file and --validation_file (SQuAD-format JSON; the repository ships a SQuAD "
-            "v1.1 sample in data/squad)."
-        ) from error
+    raw = load_hub_dataset(
+        name,
+        offline="Give --train_file and --validation_file (SQuAD-format JSON; the repository ships a "
+        "SQuAD v1.1 sample in data/squad).",
+        cache_dir=cache_dir,
+    )
     splits = datasets.DatasetDict(
         {
             split: raw[split].select_columns(["id", "question", "context", "answers"])
@@ -185,6 +183,7 @@ def tokenize_windows(
     questions). Validation windows keep `example_index` (their question's row) and
     `offset_mapping` (character spans of the context tokens; None for the others) to map
     logits back to text."""
+    check_max_length(tokenizer, max_seq_length)
     special = tokenizer.num_special_tokens_to_add(pair=True)
     room = max_seq_length - max_query_length - special
     if doc_stride >= room:

@@ -36,7 +36,7 @@ from transformers import (
 from amp_recipes.arguments import add_shared_args, add_worker_args, check_ranges, check_shared_args
 from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
 from amp_recipes.compile import CompileMonitor, dynamo_plugin
-from amp_recipes.data import check_max_length, first_rows, loader_settings, pad_multiple, train_sampler
+from amp_recipes.data import first_rows, loader_settings, pad_multiple, train_sampler
 from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.metrics import load_metric
@@ -118,7 +118,6 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- data
 def load_data(args, tokenizer, accelerator):
     """The questions (Hub or your files), their windows and DataLoaders. Edit this function for other data."""
-    check_max_length(tokenizer, args.max_seq_length)
     with accelerator.main_process_first():  # the main process loads and tokenises, the others read its cache
         if args.train_file:
             columns = {

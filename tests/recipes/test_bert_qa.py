@@ -17,6 +17,7 @@ from conftest import (
     assert_same_training,
     load_recipe,
     log_history,
+    reset_accelerate,
     run,
     stop_at,
     train,
@@ -29,8 +30,6 @@ WINDOW = {"max_seq_length": 64, "doc_stride": 16, "max_query_length": 24}
 
 @pytest.fixture
 def qa():
-    from conftest import reset_accelerate
-
     yield load_recipe("bert_qa")
     reset_accelerate()
 
@@ -48,8 +47,6 @@ def tiny_run(output_dir, *extra):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from conftest import reset_accelerate
-
     output_dir = tmp_path_factory.mktemp("qa")
     results = train(load_recipe("bert_qa"), tiny_run(output_dir))
     reset_accelerate()
