@@ -38,13 +38,13 @@ def read_squad_json(path: str) -> datasets.Dataset:
     in-memory table: no cache files, so each process of a launch reads and tokenises it."""
     try:
         with open(path, encoding="utf-8-sig") as handle:
-            articles = json.load(handle)["data"]
+            squad = json.load(handle)
     except ValueError as error:
         raise InputError(f"{path} is not valid JSON ({error}).") from None
     rows = {"id": [], "title": [], "question": [], "context": [], "answers": []}
     where = "its 'data'"
     try:
-        for a, article in enumerate(articles, start=1):
+        for a, article in enumerate(squad["data"], start=1):
             where = f"article {a}"
             for p, paragraph in enumerate(article["paragraphs"], start=1):
                 where = f"article {a} paragraph {p}"

@@ -395,6 +395,11 @@ def file_cases():
             '{"data": [{"title": "t", "paragraphs": [{"context": "x"}]}]}',
             r"bad\.json: article 1 paragraph 1 does not follow SQuAD's layout \(KeyError: 'qas'\)",
         ),
+        "squad-data-not-at-the-top": (
+            "bad.json",
+            '{"meta": {"data": []}}',
+            r"bad\.json: its 'data' does not follow SQuAD's layout \(KeyError: 'data'\)",
+        ),
         "squad-no-questions": ("bad.json", '{"data": []}', r"bad\.json holds no questions"),
         "squad-answer-offset": (
             "bad.json",
