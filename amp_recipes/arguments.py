@@ -108,6 +108,7 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
     output.add_argument("--run_name", help="W&B run name.")
     output.add_argument("--wandb_group", help="W&B group, e.g. one per fp32/fp16 pair.")
     output.add_argument("--wandb_job_type", help="W&B job type, e.g. the precision arm.")
+    output.add_argument("--wandb_tags", help="Comma-separated W&B tags, e.g. fp16,seed1.")
     output.add_argument(
         "--output_dir", help=f"Where the model, eval_results.json and logs go (default: {output_default})."
     )

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
+
+import torch
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -44,6 +47,20 @@ def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
     os.replace(handle.name, path)
 
 
+def weights_fingerprint(model: torch.nn.Module) -> str | None:
+    """sha256 of the model's parameters and buffers (names, dtypes, shapes, bytes) as loaded: the
+    arms of one seed in `scripts/paired_runs.py` must start from the same weights, and this is how
+    it checks. None where the weights are not all on this process (ZeRO-3's zero.Init partitions,
+    meta tensors of FSDP's low-memory loading on other ranks than the first)."""
+    if any(p.is_meta or hasattr(p, "ds_id") for p in [*model.parameters(), *model.buffers()]):
+        return None
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class RunRecord:
     """The run's local record in `output_dir`: `log_history.jsonl` (one line per log or eval)
     and `eval_results.json` (final metrics and run summary). Writes only on the main process."""
@@ -79,6 +96,7 @@ def init_trackers(accelerator, args, run_config: dict, tracker_run_id: str | Non
     if args.report_to == "none":
         return
     wandb_kwargs = {"name": args.run_name, "group": args.wandb_group, "job_type": args.wandb_job_type}
+    wandb_kwargs["tags"] = [tag.strip() for tag in (args.wandb_tags or "").split(",") if tag.strip()]
     if tracker_run_id:
         wandb_kwargs.update(id=tracker_run_id, resume="allow")
     accelerator.init_trackers(

@@ -42,7 +42,7 @@ from amp_recipes.ner import HUB_DATASET, HUB_REVISION, load_files, load_hub, tok
 from amp_recipes.optim import make_optimizer, training_schedule
 from amp_recipes.outputs import claim_output_dir
 from amp_recipes.precision import check_model_dtype, log_preflight, preflight, resolve_mixed_precision
-from amp_recipes.records import RunRecord, init_trackers, write_final_figures
+from amp_recipes.records import RunRecord, init_trackers, weights_fingerprint, write_final_figures
 from amp_recipes.telemetry import ActivationMonitor, StepTelemetry
 
 logger = get_logger(__name__)
@@ -262,6 +262,7 @@ def main(argv=None):
     # ------------------------------------------------------------------------- model
     model = load_model(args, config, task)
     check_model_dtype(model, precision_in_effect, accelerator.distributed_type)  # AMP: no .half() weights
+    initial_weights = weights_fingerprint(model)  # sha256; the arms of a paired run start equal
 
     # ------------------------------------------------------------------------- optimizer
     optimizer = make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
@@ -280,11 +281,10 @@ def main(argv=None):
 
     # ------------------------------------------------------------------------- resume
     checkpoints_dir = Path(args.output_dir) / "checkpoints"
-    model_shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"
     run_kind = {
         "task_name": task.name,
         "label_names": list(task.label_names),
-        "model": model_shape,
+        "model": f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}",
         "seed": args.seed,
     }
     # --resume_from_checkpoint: model, optimizer, scheduler, GradScaler and RNG states; else step 0.
@@ -304,9 +304,9 @@ def main(argv=None):
         "model_type": config.model_type,
         "distributed_type": accelerator.distributed_type.value,
         "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
-        # SDPA (fused attention kernels) is transformers' default where the model has it.
-        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,
+        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,  # SDPA: fused
         "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
+        "initial_weights_sha256": initial_weights,
     }
     run_config = {**vars(args), **run_facts, **schedule._asdict()}
     output.clear_previous_run(accelerator)  # --overwrite_output_dir: the old run's checkpoints go

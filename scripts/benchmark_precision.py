@@ -458,8 +458,11 @@ def compare(results: dict) -> None:
             "memory_drop_percent": 100.0 * (1 - result["peak_memory_bytes"] / base["peak_memory_bytes"]),
             "speedup": result["samples_per_second"] / base["samples_per_second"],
         }
-        if result.get("max_batch_size") and base.get("max_batch_size"):
+        capped = result.get("capped_at_search_max") or base.get("capped_at_search_max")
+        if result.get("max_batch_size") and base.get("max_batch_size") and not capped:
             ratios["headroom"] = result["max_batch_size"] / base["max_batch_size"]
+        elif capped:  # a lower bound over a lower bound is no ratio
+            result["headroom_note"] = "no headroom ratio: the search reached --search_max; raise it"
         result["ratios_vs_fp32"] = ratios
         result["loss_vs_fp32"] = relative_difference(result["losses"], base["losses"])
 

@@ -115,6 +115,29 @@ def test_skipped_steps_loss_scale_and_schedule_are_exact(
     )
 
 
+def test_fp16_telemetry_reaches_the_wandb_record(recipe, tmp_path, monkeypatch):
+    """The W&B run (read back from its offline record) has the loss scale and skipped steps of every
+    logged step, as the GradScaler had them, and the run's totals in its summary."""
+    from wandb_offline import offline_run, offline_summary
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
+    inject(monkeypatch, recipe, {2, 3})
+    argv = [*TINY, "--mixed_precision", "fp16", "--max_train_steps", 5, "--fp16_init_scale", 1024]
+    results = train(
+        recipe, [*argv, "--fp16_growth_interval", 2, "--report_to", "wandb", "--output_dir", tmp_path / "run"]
+    )
+    _, _, history = offline_run(tmp_path)
+    rows = [row for row in history if "loss_scale" in row]
+    assert [row["_step"] for row in rows] == [1, 2, 3, 4, 5]
+    assert [row["loss_scale"] for row in rows] == expected_scales(5, {2, 3}, 1024.0, 2)
+    assert [row["skipped_steps"] for row in rows] == [0, 1, 2, 2, 2]
+    summary = offline_summary(tmp_path)
+    assert summary["skipped_steps"] == results["skipped_steps"] == 2
+    assert summary["loss_scale"] == results["loss_scale"] == rows[-1]["loss_scale"]
+    assert summary["precision_in_effect"] == "fp16"
+
+
 def test_the_diagnosis_names_the_module_of_a_gradient_overflow(recipe, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
     inject(monkeypatch, recipe, {2}, kind="backward")

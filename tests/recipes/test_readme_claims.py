@@ -149,3 +149,56 @@ def test_unset_flag_lets_accelerate_launch_decide_and_report_to_all_feeds_both_t
         results["mixed_precision_source"]
         == "--mixed_precision flag (no; overrides accelerate launch/config's bf16)"
     )
+
+
+def test_mnli_reports_matched_and_mismatched_accuracy(recipe, tmp_path):
+    """README: MNLI's mismatched dev accuracy is `eval_accuracy_mm`. Both are checked against the
+    saved model's own predictions on each dev file, computed here with plain transformers."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    header = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse"]
+    header += ["sentence1_parse", "sentence2_parse", "sentence1", "sentence2"]
+    labels = ["entailment", "neutral", "contradiction"]
+    words = "the a cat dog sat ran on under mat hill red blue".split()
+
+    def write(name, count, offset, golds):
+        rows = []
+        for n in range(count):
+            premise = " ".join(words[(n * 5 + k + offset) % len(words)] for k in range(6))
+            hypothesis = " ".join(words[(n * 3 + k + offset) % len(words)] for k in range(4))
+            gold = labels[golds(n)]
+            extra = [gold] * (2 if name == "train.tsv" else 6)  # label1 (.. label5), gold_label
+            rows.append([n, n, f"{n}e", "fiction", "(", "(", "(S", "(S", premise, hypothesis, *extra])
+        head = header + (
+            ["label1", "gold_label"]
+            if name == "train.tsv"
+            else [f"label{i}" for i in range(1, 6)] + ["gold_label"]
+        )
+        path = tmp_path / "MNLI" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join("\t".join(map(str, r)) for r in [head, *rows]) + "\n")
+        return rows
+
+    write("train.tsv", 48, 0, lambda n: n % 3)
+    dev = {
+        "validation_matched": write("dev_matched.tsv", 10, 1, lambda n: n % 3),
+        "validation_mismatched": write("dev_mismatched.tsv", 7, 2, lambda n: (n * n) % 3),
+    }
+    output_dir = tmp_path / "out"
+    flags = glue_flags(**TINY, task_name="mnli", data_dir=tmp_path, max_eval_samples=None, max_train_steps=4)
+    flags += ["--ignore_mismatched_sizes"]  # the tiny BERT has a 2-label head; MNLI has 3 labels
+    results = train(recipe, [*flags, "--output_dir", output_dir, "--mixed_precision", "no"])
+
+    model = AutoModelForSequenceClassification.from_pretrained(output_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    accuracy = {}
+    for split, rows in dev.items():
+        correct = 0
+        for row in rows:
+            with torch.no_grad():
+                logits = model(**tokenizer(row[8], row[9], return_tensors="pt")).logits
+            correct += model.config.id2label[int(logits.argmax())] == row[-1]
+        accuracy[split] = correct / len(rows)
+    assert results["eval_accuracy"] == pytest.approx(accuracy["validation_matched"])
+    assert results["eval_accuracy_mm"] == pytest.approx(accuracy["validation_mismatched"])
+    assert results["eval_samples"] == 10 and results["eval_samples_mm"] == 7

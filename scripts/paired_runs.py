@@ -1,0 +1,651 @@
+"""Paired fine-tunes: one recipe in fp32 and in fp16/bf16 over several seeds, and whether the
+reduced precision changed the result beyond seed noise.
+
+    python scripts/paired_runs.py --arms fp32,bf16 --seeds 3 --output_dir pairs/mrpc \\
+        --accelerate_config accelerate_configs/cpu.yaml \\
+        --task_name mrpc --model_name_or_path bert-base-uncased --report_to wandb
+
+Every flag this script does not know goes to the recipe (`--recipe bert_glue` by default, any
+recipe name or a copied recipe's path). Each arm x seed is its own `accelerate launch` (your
+config file: one GPU, DDP, FSDP, DeepSpeed), into <output_dir>/runs/<arm>-seed<S>, seed-major
+(seed 1's arms first), logged to <output_dir>/logs/. Arms of one seed get the same --seed, hence
+the same initial weights (checked: each run records their sha256) and the same batches in the
+same order. Running the same command again skips the runs that finished (their
+eval_results.json exists), resumes those with checkpoints, and reruns the rest.
+
+The comparison goes to <output_dir>/comparison.md, .json and .png and is printed: per arm mean
+and sd over seeds of every dev metric, training time, samples/s and peak memory; per reduced
+precision arm its speedup and memory drop against fp32 (paired by seed) and the dev-metric
+difference with a 95% paired t confidence interval over seeds, and a verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_SCRIPTS = Path(__file__).resolve().parent
+ARM_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}  # arm -> the recipe's --mixed_precision
+IN_EFFECT = {"fp32": ("fp32", "tf32"), "fp16": ("fp16",), "bf16": ("bf16",)}  # what counts as the arm
+# Flags the pairing sets on every run; passing them to the recipe would break the pairing.
+OWNED = [
+    "mixed_precision",
+    "seed",
+    "output_dir",
+    "run_name",
+    "wandb_group",
+    "wandb_job_type",
+    "wandb_tags",
+    "overwrite_output_dir",
+    "resume_from_checkpoint",
+    "eval_only",
+]
+HEADROOM_HEAD = {"bert_glue": "sequence", "bert_ner": "token", "bert_qa": "qa"}  # benchmark --head
+NOT_METRICS = ("_samples", "_runtime")  # eval_samples(_mm) is a count, not a score
+
+
+# ----------------------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        allow_abbrev=False,  # an abbreviation must never swallow a recipe flag
+        epilog="Every other flag is passed to the recipe (see `python recipes/<recipe>.py --help`).",
+    )
+    parser.add_argument("--recipe", default="bert_glue", help="Recipe name (amp-recipes ls) or a .py path.")
+    parser.add_argument(
+        "--arms",
+        default="auto",
+        help="Comma-separated precisions: fp32,fp16 or fp32,bf16 (fp32 first, the baseline); auto: "
+        "fp32 and what --mixed_precision auto picks on this machine.",
+    )
+    parser.add_argument(
+        "--seeds", default="3", help="A count (3: seeds 1, 2, 3) or a comma-separated list (42,43)."
+    )
+    parser.add_argument("--output_dir", help="Default: pairs/<recipe>. Holds runs/, logs/, comparison.*")
+    parser.add_argument("--group", help="W&B group of the pair (default: the output folder's name).")
+    parser.add_argument(
+        "--accelerate_config", help="`accelerate launch --config_file` for every run (default: accelerate's)."
+    )
+    parser.add_argument(
+        "--headroom",
+        action="store_true",
+        help="Also measure each arm's largest batch that fits with scripts/benchmark_precision.py (same "
+        "model, --max_seq_length, the recipe's head).",
+    )
+    parser.add_argument("--memory_budget_gb", type=float, help="Cap for --headroom (required on a CPU).")
+    parser.add_argument(
+        "--headroom_head",
+        choices=["sequence", "token", "qa"],
+        help="Task head for --headroom (a copied recipe).",
+    )
+    parser.add_argument(
+        "--wandb_report",
+        action="store_true",
+        help="Build a W&B Report of the pair (needs `pip install wandb-workspaces`); saved when online.",
+    )
+    parser.add_argument("--wandb_entity", help="W&B entity of the report (default: yours).")
+    parser.add_argument("--compare_only", action="store_true", help="Run nothing; compare what finished.")
+    args, recipe_args = parser.parse_known_args(argv)
+    if recipe_args[:1] == ["--"]:
+        recipe_args = recipe_args[1:]
+    args.recipe_args = recipe_args
+    args.recipe_path = find_recipe(parser, args.recipe)
+    args.recipe_name = args.recipe_path.stem
+    args.seeds = parse_seeds(parser, args.seeds)
+    args.arms = parse_arms(parser, args.arms)
+    args.output_dir = Path(args.output_dir or Path("pairs") / args.recipe_name)
+    args.group = args.group or args.output_dir.resolve().name
+    if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
+        parser.error(f"--memory_budget_gb must be positive, not {args.memory_budget_gb}.")
+    args.recipe_defaults = check_recipe_args(parser, args)
+    return args
+
+
+def find_recipe(parser, recipe: str) -> Path:
+    path = Path(recipe)
+    if path.suffix == ".py":
+        if not path.is_file():
+            parser.error(f"--recipe {recipe}: no such file.")
+        return path.resolve()
+    from amp_recipes.cli import recipes
+
+    shipped = recipes()
+    if recipe not in shipped:
+        parser.error(f"--recipe {recipe!r}: choose from {', '.join(sorted(shipped))} or give a .py path.")
+    return shipped[recipe]
+
+
+def parse_seeds(parser, text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        parser.error(
+            f"--seeds takes a count (3) or a comma-separated list of integers (1,2,3), not {text!r}."
+        )
+    if len(values) == 1 and "," not in text:
+        if values[0] < 1:
+            parser.error(f"--seeds {text}: give at least 1.")
+        values = list(range(1, values[0] + 1))
+    if len(set(values)) != len(values) or not values or min(values) < 0:
+        parser.error(f"--seeds {text}: give distinct non-negative seeds.")
+    return values
+
+
+def parse_arms(parser, text: str) -> list[str]:
+    arms = [arm.strip() for arm in text.split(",") if arm.strip()]
+    if arms == ["auto"]:
+        from amp_recipes.precision import resolve_mixed_precision
+
+        chosen, reason = resolve_mixed_precision("auto")
+        if chosen == "no":
+            parser.error(
+                f"--arms auto: {reason}, so there is no mixed precision to compare here; name the arms "
+                "(--arms fp32,bf16) to run one anyway."
+            )
+        print(f"--arms auto: fp32 and {chosen} ({reason})")
+        return ["fp32", chosen]
+    unknown = [arm for arm in arms if arm not in ARM_PRECISION]
+    if unknown or not arms:
+        parser.error(f"--arms: unknown {unknown or text!r}; choose from {', '.join(ARM_PRECISION)} or auto.")
+    if arms[0] != "fp32" or len(arms) < 2 or len(set(arms)) != len(arms):
+        parser.error(f"--arms {text}: start with fp32 (the baseline) and add fp16 and/or bf16, once each.")
+    return arms
+
+
+def load_recipe(path: Path):
+    spec = importlib.util.spec_from_file_location(f"paired_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_recipe_args(parser, args) -> dict:
+    """Parse the recipe's flags with the recipe's own parser now (a typo fails in a second, not
+    after the first run), refuse the flags the pairing sets, and return the recipe's settings."""
+    recipe = load_recipe(args.recipe_path)
+    recipe_parser = recipe.build_parser()
+    try:
+        raw = recipe_parser.parse_args(args.recipe_args)  # the flags as given, before any default is filled
+        parsed = recipe.parse_args(args.recipe_args)  # the recipe's own checks too
+    except SystemExit as error:
+        if error.code:
+            parser.error(
+                f"the flags for {args.recipe_path.name} above are not valid: {shlex.join(args.recipe_args)}"
+            )
+        raise
+    taken = [f"--{name}" for name in OWNED if getattr(raw, name, None) != recipe_parser.get_default(name)]
+    if taken:
+        parser.error(
+            f"{', '.join(taken)}: the pairing sets these on every run (--arms, --seeds, --output_dir, "
+            "--group); drop them from the recipe's flags."
+        )
+    return vars(parsed)
+
+
+# ----------------------------------------------------------------------------- the runs
+def run_dir(args, arm: str, seed: int) -> Path:
+    return args.output_dir / "runs" / f"{arm}-seed{seed}"
+
+
+def launch_command(args, arm: str, seed: int, folder: Path) -> list[str]:
+    launcher = [sys.executable, "-m", "accelerate.commands.launch"]
+    if args.accelerate_config:
+        launcher += ["--config_file", args.accelerate_config]
+    flags = [
+        *args.recipe_args,
+        *("--mixed_precision", ARM_PRECISION[arm], "--seed", str(seed), "--output_dir", str(folder)),
+        *("--run_name", f"{args.group}-{arm}-seed{seed}", "--wandb_group", args.group),
+        *("--wandb_job_type", arm, "--wandb_tags", f"{arm},seed{seed},paired"),
+    ]
+    if (folder / "checkpoints").is_dir() and any((folder / "checkpoints").iterdir()):
+        flags += ["--resume_from_checkpoint", "latest"]  # an interrupted run continues
+    elif folder.is_dir() and any(folder.iterdir()):
+        flags += ["--overwrite_output_dir"]  # a failed run without checkpoints starts again
+    return [*launcher, str(args.recipe_path), *flags]
+
+
+def run_one(args, arm: str, seed: int) -> dict:
+    """One arm x seed in its own `accelerate launch`, its output shown and kept in logs/."""
+    folder = run_dir(args, arm, seed)
+    entry = {"arm": arm, "seed": seed, "run_dir": str(folder)}
+    if (folder / "eval_results.json").is_file():
+        print(f"[{arm} seed {seed}] finished earlier: {folder}/eval_results.json", flush=True)
+        return {**entry, "status": "finished", "skipped": True}
+    if args.compare_only:
+        return {**entry, "status": "not run"}
+    log = args.output_dir / "logs" / f"{arm}-seed{seed}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = launch_command(args, arm, seed, folder)
+    print(f"[{arm} seed {seed}] {shlex.join(command)}", flush=True)
+    started = time.monotonic()
+    with open(log, "wb") as handle:
+        handle.write(f"$ {shlex.join(command)}\n".encode())
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            while chunk := os.read(process.stdout.fileno(), 65536):  # progress bars too, as they come
+                handle.write(chunk)
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+            returncode = process.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the run too: it stops after its step, with a checkpoint
+            process.wait()
+            raise SystemExit(
+                f"interrupted during {arm} seed {seed}; run the same command again to continue (finished "
+                "runs are kept, a run with checkpoints resumes)."
+            ) from None
+    entry.update(log=str(log), wall_seconds=round(time.monotonic() - started, 1), returncode=returncode)
+    if returncode == 0 and (folder / "eval_results.json").is_file():
+        return {**entry, "status": "finished"}
+    lines = log.read_bytes().decode(errors="replace").splitlines()
+    # The recipe's own one-line `error: ...`, if it printed one (accelerate launch's traceback follows it).
+    error = next((line for line in reversed(lines) if line.startswith("error: ")), None)
+    print(
+        f"[{arm} seed {seed}] FAILED (exit {returncode}){f': {error}' if error else ''}; see {log}",
+        flush=True,
+    )
+    return {**entry, "status": "failed", "error": error, "last_lines": lines[-5:]}
+
+
+def check_pair_config(args) -> None:
+    """<output_dir>/pair.json: the recipe and its flags. Another command in the same folder would
+    mix runs that are not pairs of each other; arms and seeds may be added."""
+    path = args.output_dir / "pair.json"
+    config = {
+        "recipe": args.recipe_name,
+        "recipe_args": args.recipe_args,
+        "accelerate_config": args.accelerate_config,
+        "group": args.group,
+    }
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = [key for key in config if before.get(key) != config[key]]
+        if changed:
+            raise SystemExit(
+                f"error: {args.output_dir} holds a pair run with other settings ({', '.join(changed)}: "
+                f"{', '.join(repr(before.get(k)) for k in changed)}); give another --output_dir."
+            )
+    from amp_recipes.records import write_json_atomic
+
+    write_json_atomic(path, config)
+
+
+# ----------------------------------------------------------------------------- statistics
+def mean_sd(values: list[float]) -> dict:
+    n = len(values)
+    mean = sum(values) / n if n else math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
+    return {"mean": mean, "sd": sd, "n": n, "values": values}
+
+
+def paired_interval(differences: list[float], confidence: float = 0.95) -> dict:
+    """Mean of the per-seed differences (arm - fp32) and its two-sided paired t confidence
+    interval: mean +- t(1 - alpha/2, n - 1) * sd / sqrt(n). Needs 2 seeds or more."""
+    from scipy.stats import t
+
+    stats = mean_sd(differences)
+    n = stats["n"]
+    if n < 2:
+        return {**stats, "half_width": math.nan, "ci": [math.nan, math.nan], "confidence": confidence}
+    half = t.ppf(0.5 + confidence / 2, n - 1) * stats["sd"] / math.sqrt(n)
+    return {
+        **stats,
+        "half_width": half,
+        "ci": [stats["mean"] - half, stats["mean"] + half],
+        "confidence": confidence,
+    }
+
+
+def verdict(arm: str, interval: dict) -> str:
+    if interval["n"] == 0:
+        return "no seed with both arms finished: no verdict"
+    if interval["n"] < 2:
+        return "one seed: no verdict (seed noise cannot be estimated; run --seeds 3 or more)"
+    low, high = interval["ci"]
+    if low <= 0 <= high:
+        return "within seed noise"
+    direction = "lower" if interval["mean"] < 0 else "higher"
+    return f"{arm} {direction} by {abs(interval['mean']):.4g} ± {interval['half_width']:.4g}"
+
+
+def metric_names(results: list[dict]) -> list[str]:
+    names = set()
+    for result in results:
+        names |= {
+            key
+            for key, value in result.items()
+            if key.startswith("eval_")
+            and isinstance(value, (int, float))
+            and not any(part in key for part in NOT_METRICS)
+        }
+    return sorted(names)
+
+
+FIGURES = {  # eval_results.json key -> (how the report names it, its unit in bytes or 1)
+    "train_runtime_seconds": ("train time (s)", 1),
+    "train_samples_per_second": ("samples/s", 1),
+    "peak_memory_bytes": ("peak memory (GiB)", 2**30),
+}
+
+
+def compare(args, runs: list[dict]) -> dict:
+    """Everything the report shows, from the finished runs' eval_results.json."""
+    results = {}
+    for entry in runs:
+        if entry["status"] == "finished":
+            path = Path(entry["run_dir"]) / "eval_results.json"
+            results[entry["arm"], entry["seed"]] = json.loads(path.read_text())
+    names = metric_names(list(results.values()))
+    arms = {}
+    for arm in args.arms:
+        mine = {seed: r for (a, seed), r in results.items() if a == arm}
+        in_effect = sorted({r.get("precision_in_effect", "?") for r in mine.values()})
+        arms[arm] = {
+            "precision_in_effect": in_effect,
+            "seeds": sorted(mine),
+            **{name: mean_sd([mine[s][name] for s in sorted(mine) if name in mine[s]]) for name in names},
+            **{key: mean_sd([mine[s][key] for s in sorted(mine) if key in mine[s]]) for key in FIGURES},
+        }
+    initial = {}  # seed -> {arm: sha256}
+    for (arm, seed), r in results.items():
+        initial.setdefault(seed, {})[arm] = r.get("initial_weights_sha256")
+    # None: not recorded (ZeRO-3 partitions the weights as they load); only a real mismatch unpairs.
+    unpaired = sorted(seed for seed, shas in initial.items() if len(set(shas.values()) - {None}) > 1)
+    versus = {}
+    for arm in args.arms[1:]:
+        ran = [r.get("precision_in_effect") for (a, _), r in results.items() if a == arm]
+        if not ran:
+            versus[arm] = {"no_ratio_reason": f"no {arm} run finished"}
+            continue
+        if any(p not in IN_EFFECT[arm] for p in ran):
+            versus[arm] = {
+                "no_ratio_reason": f"requested {arm} but ran {', '.join(sorted(set(ran)))} (e.g. fp16 on a CPU, "
+                "which accelerate runs in fp32): no ratio and no verdict"
+            }
+            continue
+        seeds = [
+            s for s in args.seeds if (arm, s) in results and ("fp32", s) in results and s not in unpaired
+        ]
+        arm_r = {s: results[arm, s] for s in seeds}
+        base = {s: results["fp32", s] for s in seeds}
+        versus[arm] = {
+            "seeds": seeds,
+            "speedup": mean_sd(
+                [arm_r[s]["train_samples_per_second"] / base[s]["train_samples_per_second"] for s in seeds]
+            ),
+            "memory_drop_percent": mean_sd(
+                [100 * (1 - arm_r[s]["peak_memory_bytes"] / base[s]["peak_memory_bytes"]) for s in seeds]
+            ),
+            "metrics": {},
+        }
+        for name in names:
+            paired = [s for s in seeds if name in arm_r[s] and name in base[s]]
+            interval = paired_interval([arm_r[s][name] - base[s][name] for s in paired])
+            versus[arm]["metrics"][name] = {**interval, "verdict": verdict(arm, interval)}
+    hardware_keys = ("device_name", "device_type", "num_processes", "distributed_type", "torch_threads")
+    first = next(iter(results.values()), {})
+    return {
+        "group": args.group,
+        "recipe": args.recipe_name,
+        "recipe_args": args.recipe_args,
+        "arms": args.arms,
+        "seeds": args.seeds,
+        "metrics": names,
+        "hardware": {k: first.get(k) for k in hardware_keys},
+        "runs": runs,
+        "initial_weights_sha256": {str(seed): shas for seed, shas in sorted(initial.items())},
+        "unpaired_seeds": unpaired,
+        "per_arm": arms,
+        "vs_fp32": versus,
+        "statistics": "paired t: 95% confidence interval of the mean per-seed difference (arm - fp32)",
+    }
+
+
+# ----------------------------------------------------------------------------- report
+def fmt(stats: dict, scale: float = 1.0, digits: int = 4) -> str:
+    if not stats.get("n"):
+        return "—"
+    mean = stats["mean"] / scale
+    if stats["n"] < 2:
+        return f"{mean:.{digits}g}"
+    return f"{mean:.{digits}g} ± {stats['sd'] / scale:.2g}"
+
+
+def markdown(comparison: dict, headroom: dict | None) -> str:
+    arms, names = comparison["arms"], comparison["metrics"]
+    hw = comparison["hardware"]
+    lines = [
+        f"# Paired runs: {comparison['group']}",
+        "",
+        f"`{comparison['recipe']}` {shlex.join(comparison['recipe_args'])}",
+        "",
+        f"Seeds {', '.join(map(str, comparison['seeds']))}; {hw.get('device_name')} "
+        f"({hw.get('num_processes')} process(es), {hw.get('distributed_type')}). Mean ± sd over seeds.",
+        "",
+    ]
+    header = ["arm", "in effect", "seeds", *names, *(label for label, _ in FIGURES.values())]
+    if headroom:
+        header.append("max batch")
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for arm in arms:
+        a = comparison["per_arm"][arm]
+        cells = [arm, ", ".join(a["precision_in_effect"]) or "—", str(len(a["seeds"]))]
+        cells += [fmt(a[name]) for name in names]
+        cells += [fmt(a[key], scale) for key, (_, scale) in FIGURES.items()]
+        if headroom:
+            size = headroom.get("max_batch_size", {}).get(arm)
+            capped = headroom.get("capped_at_search_max", {}).get(arm)
+            cells.append("—" if not size else f"≥{size}" if capped else str(size))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for arm, v in comparison["vs_fp32"].items():
+        if "no_ratio_reason" in v:
+            lines += [f"**{arm} vs fp32**: {v['no_ratio_reason']}.", ""]
+            continue
+        lines += [
+            f"**{arm} vs fp32** (paired by seed, {len(v['seeds'])} seed(s)): speedup "
+            f"{fmt(v['speedup'], digits=3)}x, peak-memory drop {fmt(v['memory_drop_percent'], digits=3)}%"
+            + (
+                f", batch headroom {headroom['headroom'][arm]:.2f}x"
+                if headroom and headroom["headroom"].get(arm)
+                else ""
+            )
+            + ".",
+            "",
+            "| metric | difference (arm − fp32) | 95% CI | verdict |",
+            "|---|---|---|---|",
+        ]
+        for name, m in v["metrics"].items():
+            ci = "—" if math.isnan(m["ci"][0]) else f"[{m['ci'][0]:+.4f}, {m['ci'][1]:+.4f}]"
+            lines.append(f"| {name} | {m['mean']:+.4f} | {ci} | {m['verdict']} |")
+        lines.append("")
+    if comparison["unpaired_seeds"]:
+        lines += [
+            f"Seeds {comparison['unpaired_seeds']} are left out of the ratios: their arms did not start from "
+            "the same initial weights (initial_weights_sha256 differs or is missing).",
+            "",
+        ]
+    if headroom and headroom.get("note"):
+        lines += [f"Batch headroom: {headroom['note']}", ""]
+    failed = [r for r in comparison["runs"] if r["status"] != "finished"]
+    for run in failed:
+        lines.append(
+            f"- {run['arm']} seed {run['seed']}: {run['status']}"
+            + (f" — {run['error']}" if run.get("error") else "")
+            + (f" (log: {run['log']})" if run.get("log") else "")
+        )
+    lines += ["", f'Statistics: {comparison["statistics"]}; "within seed noise" = the interval contains 0.']
+    return "\n".join(lines) + "\n"
+
+
+def plot(comparison: dict, path: Path) -> None:
+    """One panel per figure: each seed's value per arm (a line joins a seed's arms: the pairing),
+    and each arm's mean as a short bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms, panels = comparison["arms"], [*comparison["metrics"], *FIGURES]
+    figure, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False)
+    for axis, name in zip(axes[0], panels, strict=True):
+        label, scale = FIGURES.get(name, (name, 1))
+        per_arm = {arm: comparison["per_arm"][arm] for arm in arms}
+        for seed in comparison["seeds"]:
+            points = [
+                (x, stats[name]["values"][stats["seeds"].index(seed)] / scale)
+                for x, stats in enumerate(per_arm.values())
+                if seed in stats["seeds"] and len(stats[name]["values"]) == len(stats["seeds"])
+            ]
+            if points:
+                axis.plot(
+                    *zip(*points, strict=True), color="#999999", linewidth=0.8, marker="o", markersize=4
+                )
+        for x, stats in enumerate(per_arm.values()):
+            if stats[name]["n"]:
+                axis.hlines(stats[name]["mean"] / scale, x - 0.2, x + 0.2, color="#e65100", linewidth=2.5)
+        axis.set_xticks(range(len(arms)), arms)
+        axis.set_xlim(-0.5, len(arms) - 0.5)
+        axis.set_title(label, fontsize=9)
+    figure.suptitle(f"{comparison['group']}: dots = seeds (a line per seed), bars = means", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+# ----------------------------------------------------------------------------- headroom
+def measure_headroom(args) -> dict:
+    """Each arm's largest batch that fits, from the benchmark's upward search (fresh process per
+    trial) on the recipe's model and --max_seq_length. Reused when it was measured before."""
+    folder = args.output_dir / "headroom"
+    results_file = folder / "results.json"
+    head = args.headroom_head or HEADROOM_HEAD.get(args.recipe_name)
+    if head is None:
+        return {"note": f"not measured: give --headroom_head for {args.recipe_name} (sequence, token or qa)"}
+    if not results_file.is_file():
+        defaults = args.recipe_defaults
+        command = [
+            sys.executable,
+            str(REPO_SCRIPTS / "benchmark_precision.py"),
+            *("--arms", ",".join(args.arms), "--head", head, "--seq_len", str(defaults["max_seq_length"])),
+            *("--model_name_or_path", defaults["model_name_or_path"], "--output_dir", str(folder)),
+            *("--batch_size", str(defaults["per_device_train_batch_size"]), "--warmup_steps", "1"),
+            *("--timed_steps", "2", "--search_start", str(defaults["per_device_train_batch_size"])),
+        ]
+        if args.memory_budget_gb:
+            command += ["--memory_budget_gb", str(args.memory_budget_gb)]
+        print(f"[headroom] {shlex.join(command)}", flush=True)
+        if subprocess.run(command).returncode != 0:
+            return {"note": f"the benchmark failed (command above); rerun it by hand: {shlex.join(command)}"}
+    bench = json.loads(results_file.read_text())
+    arms = {arm: bench["arms"].get(arm, {}) for arm in args.arms}
+    return {
+        "max_batch_size": {arm: r.get("max_batch_size") for arm, r in arms.items()},
+        "capped_at_search_max": {arm: bool(r.get("capped_at_search_max")) for arm, r in arms.items()},
+        "headroom": {arm: (arms[arm].get("ratios_vs_fp32") or {}).get("headroom") for arm in args.arms[1:]},
+        "note": bench.get("search_note")
+        or f"largest batch at {bench['config']['seq_len']} tokens, {head} head, from {results_file}",
+        "results": str(results_file),
+    }
+
+
+# ----------------------------------------------------------------------------- W&B report
+def build_report(comparison: dict, project: str, entity: str | None):
+    """A W&B Report of the pair: its runs (filtered on the group, grouped by arm) with loss
+    curves, dev metrics, throughput, peak memory and the fp16 loss scale."""
+    try:
+        import wandb_workspaces.reports.v2 as wr
+    except ImportError:
+        raise SystemExit(
+            "error: --wandb_report needs the wandb-workspaces package: pip install wandb-workspaces "
+            "(or pip install -e .[report])."
+        ) from None
+    group = comparison["group"]
+    runset = wr.Runset(
+        project=project,
+        name=group,
+        filters=f"Group = '{group}'",
+        groupby=["run.jobType"],
+        **({"entity": entity} if entity else {}),
+    )
+    metrics = comparison["metrics"]
+    panels = [
+        wr.LinePlot(title="training loss", x="Step", y=["loss"]),
+        wr.LinePlot(title="dev metrics", x="Step", y=metrics),
+        wr.LinePlot(title="fp16 loss scale", x="Step", y=["loss_scale"], log_y=True),
+        wr.LinePlot(title="samples/s", x="Step", y=["samples_per_second"]),
+        wr.BarPlot(title="peak memory (bytes)", metrics=["peak_memory_bytes"]),
+        wr.BarPlot(title="training samples/s", metrics=["train_samples_per_second"]),
+        wr.BarPlot(title="final dev metrics", metrics=metrics),
+    ]
+    return wr.Report(
+        project=project,
+        title=f"fp32 vs {', '.join(comparison['arms'][1:])}: {group}",
+        description=f"{comparison['recipe']} {shlex.join(comparison['recipe_args'])}",
+        blocks=[wr.H1(text="Paired runs"), wr.PanelGrid(runsets=[runset], panels=panels)],
+        **({"entity": entity} if entity else {}),
+    )
+
+
+def wandb_report(args, comparison: dict) -> str:
+    project = args.recipe_defaults.get("project_name") or "amp-recipes"
+    offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
+    entity = args.wandb_entity or os.environ.get("WANDB_ENTITY") or ("offline" if offline else None)
+    report = build_report(comparison, project, entity)
+    if offline:
+        return (
+            "W&B report built, not saved (WANDB_MODE is offline): upload the runs with `wandb sync "
+            "--sync-all`, then run this command again online with --wandb_report."
+        )
+    report.save()
+    return f"W&B report: {report.url}"
+
+
+# ----------------------------------------------------------------------------- main
+def json_safe(value):
+    """NaN (an sd of one seed) as null: comparison.json stays standard JSON for other tools."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    check_pair_config(args)
+    runs = [run_one(args, arm, seed) for seed in args.seeds for arm in args.arms]
+    headroom = measure_headroom(args) if args.headroom else None
+    comparison = compare(args, runs)
+    comparison["headroom"] = headroom
+    from amp_recipes.records import write_json_atomic
+
+    write_json_atomic(args.output_dir / "comparison.json", json_safe(comparison))
+    table = markdown(comparison, headroom)
+    (args.output_dir / "comparison.md").write_text(table)
+    plot(comparison, args.output_dir / "comparison.png")
+    print(table)
+    print(f"Wrote {args.output_dir}/comparison.md, comparison.json and comparison.png")
+    if args.wandb_report:
+        print(wandb_report(args, comparison))
+    failed = [r for r in runs if r["status"] == "failed"]
+    if failed:
+        print(
+            f"error: {len(failed)} run(s) failed; run the same command again to retry them.", file=sys.stderr
+        )
+        sys.exit(1)
+    return comparison
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""scripts/paired_runs.py: arms x seeds as real `accelerate launch` runs of a recipe, and the
+comparison (paired confidence intervals, verdicts) written from their eval_results.json."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY_BERT, glue_flags, load_module, run
+from wandb_offline import offline_run, offline_summary
+
+SCRIPT = REPO / "scripts" / "paired_runs.py"
+paired = load_module(SCRIPT, "paired_runs")
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_paired_interval_on_a_hand_worked_example():
+    # differences 1, 2, 3: mean 2, sd 1, standard error 1/sqrt(3); t(0.975, df=2) = 4.302653
+    interval = paired.paired_interval([1.0, 2.0, 3.0])
+    assert interval["mean"] == pytest.approx(2.0) and interval["sd"] == pytest.approx(1.0)
+    assert interval["half_width"] == pytest.approx(4.302653 / math.sqrt(3), rel=1e-6)
+    assert interval["ci"] == pytest.approx([2 - 2.484138, 2 + 2.484138], rel=1e-6)
+    assert paired.verdict("bf16", interval) == "within seed noise"
+    # 2.0, 2.2, 1.8, 2.0: sd sqrt(0.08 / 3) = 0.163299; t(0.975, df=3) = 3.182446 -> 2.0 +- 0.259846
+    interval = paired.paired_interval([2.0, 2.2, 1.8, 2.0])
+    assert interval["half_width"] == pytest.approx(3.182446 * 0.163299 / 2, rel=1e-5)
+    assert paired.verdict("bf16", interval) == "bf16 higher by 2 ± 0.2598"
+    assert paired.verdict("fp16", paired.paired_interval([-0.5, -0.7, -0.6])) == "fp16 lower by 0.6 ± 0.2484"
+    one = paired.paired_interval([0.3])
+    assert math.isnan(one["half_width"]) and paired.verdict("fp16", one).startswith("one seed: no verdict")
+    assert paired.verdict("fp16", paired.paired_interval([])).startswith("no seed with both arms finished")
+    assert paired.json_safe({"sd": math.nan, "values": [0.3, math.nan]}) == {
+        "sd": None,
+        "values": [0.3, None],
+    }
+
+
+def write_run(folder: Path, **results):
+    folder.mkdir(parents=True)
+    (folder / "eval_results.json").write_text(json.dumps(results))
+
+
+def fake_args(arms, seeds):
+    return paired.argparse.Namespace(
+        arms=arms, seeds=seeds, group="g", recipe_name="bert_glue", recipe_args=["--task_name", "mrpc"]
+    )
+
+
+def figures(f1, speed, memory, precision, sha="same"):
+    return {
+        "eval_f1": f1,
+        "eval_samples": 408,
+        "eval_samples_mm": 408,
+        "train_runtime_seconds": 100 / speed,
+        "train_samples_per_second": speed,
+        "peak_memory_bytes": memory,
+        "precision_in_effect": precision,
+        "initial_weights_sha256": sha,
+    }
+
+
+def test_aggregates_are_the_runs_own_figures_and_fp16_on_cpu_gets_no_verdict(tmp_path):
+    runs = []
+    table = {  # seed -> (fp32 f1, bf16 f1)
+        1: (0.80, 0.81),
+        2: (0.82, 0.80),
+        3: (0.84, 0.85),
+    }
+    for seed, (f1_fp32, f1_bf16) in table.items():
+        for arm, f1, speed, memory, ran in (
+            ("fp32", f1_fp32, 10.0, 4e9, "fp32"),
+            ("bf16", f1_bf16, 10.0 * (1 + seed / 10), 3e9, "bf16"),
+            ("fp16", f1_fp32, 10.0, 4e9, "fp32"),  # fp16 asked on a CPU: accelerate ran fp32
+        ):
+            folder = tmp_path / f"{arm}-seed{seed}"
+            write_run(folder, **figures(f1, speed, memory, ran, sha=f"init-{seed}"))
+            runs.append({"arm": arm, "seed": seed, "run_dir": str(folder), "status": "finished"})
+    comparison = paired.compare(fake_args(["fp32", "bf16", "fp16"], [1, 2, 3]), runs)
+    assert comparison["metrics"] == ["eval_f1"]  # eval_samples is a count, not a score
+    bf16 = comparison["per_arm"]["bf16"]
+    assert bf16["eval_f1"]["values"] == [0.81, 0.80, 0.85]
+    assert bf16["eval_f1"]["mean"] == pytest.approx(0.82)
+    assert bf16["train_samples_per_second"]["values"] == pytest.approx([11.0, 12.0, 13.0])
+    versus = comparison["vs_fp32"]["bf16"]
+    assert versus["speedup"]["values"] == pytest.approx([1.1, 1.2, 1.3])
+    assert versus["memory_drop_percent"]["values"] == pytest.approx([25.0, 25.0, 25.0])
+    f1 = versus["metrics"]["eval_f1"]
+    assert f1["values"] == pytest.approx([0.01, -0.02, 0.01]) and f1["verdict"] == "within seed noise"
+    assert "ran fp32" in comparison["vs_fp32"]["fp16"]["no_ratio_reason"]
+    assert "metrics" not in comparison["vs_fp32"]["fp16"]
+    text = paired.markdown(comparison, None)
+    assert "| bf16 | bf16 | 3 | 0.82 ± 0.026 |" in text
+    assert "speedup 1.2 ± 0.1x, peak-memory drop 25 ± 0%" in text
+    assert "**fp16 vs fp32**: requested fp16 but ran fp32" in text
+    paired.plot(comparison, tmp_path / "comparison.png")
+    assert (tmp_path / "comparison.png").stat().st_size > 10_000
+
+
+def test_a_seed_whose_arms_started_from_different_weights_is_left_out(tmp_path):
+    runs = []
+    for seed in (1, 2):
+        for arm in ("fp32", "bf16"):
+            sha = "a" if (seed, arm) != (2, "bf16") else "b"
+            folder = tmp_path / f"{arm}-seed{seed}"
+            write_run(folder, **figures(0.8, 10.0, 4e9, arm, sha=sha))
+            runs.append({"arm": arm, "seed": seed, "run_dir": str(folder), "status": "finished"})
+    comparison = paired.compare(fake_args(["fp32", "bf16"], [1, 2]), runs)
+    assert comparison["unpaired_seeds"] == [2]
+    assert comparison["vs_fp32"]["bf16"]["seeds"] == [1]
+    assert comparison["vs_fp32"]["bf16"]["metrics"]["eval_f1"]["verdict"].startswith("one seed")
+    assert "Seeds [2] are left out" in paired.markdown(comparison, None)
+
+
+# ----------------------------------------------------------------------------- arguments
+def parse(*argv):
+    return paired.parse_args([*argv, *glue_flags()])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--arms", "bf16,fp32"], "start with fp32"),
+        (["--arms", "fp32"], "start with fp32"),
+        (["--arms", "fp32,fp8"], "unknown ['fp8']"),
+        (["--seeds", "three"], "a count (3) or a comma-separated list"),
+        (["--seeds", "0"], "at least 1"),
+        (["--seeds", "1,1"], "distinct"),
+        (["--recipe", "bert_gleu"], "choose from bert_glue"),
+        (["--seed", "3"], "--seed: the pairing sets these"),
+        (["--mixed_precision", "fp16"], "--mixed_precision: the pairing sets these"),
+        (["--run_name", "x"], "--run_name: the pairing sets these"),
+        (["--resume_from_checkpoint", "latest"], "--resume_from_checkpoint: the pairing"),
+        (["--learning_rate", "-1"], "--learning_rate must be at least 0"),
+        (["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+    ],
+)
+def test_bad_flags_fail_before_any_run(argv, message, capsys):
+    with pytest.raises(SystemExit) as error:
+        parse("--arms", "fp32,bf16", *argv)
+    assert error.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_auto_arms_are_fp32_and_what_auto_picks(monkeypatch):
+    import amp_recipes.precision as precision
+
+    monkeypatch.setattr(precision, "resolve_mixed_precision", lambda flag: ("bf16", "an Ampere+ GPU"))
+    assert parse("--arms", "auto").arms == ["fp32", "bf16"]
+    monkeypatch.setattr(precision, "resolve_mixed_precision", lambda flag: ("no", "no native bf16"))
+    with pytest.raises(SystemExit):
+        parse("--arms", "auto")
+
+
+def test_seeds_count_or_list_and_defaults():
+    args = parse("--arms", "fp32,fp16", "--seeds", "3")
+    assert (
+        args.seeds == [1, 2, 3] and args.output_dir == Path("pairs/bert_glue") and args.group == "bert_glue"
+    )
+    assert parse("--arms", "fp32,fp16", "--seeds", "42,7").seeds == [42, 7]
+    command = paired.launch_command(args, "fp16", 2, Path("pairs/x/runs/fp16-seed2"))
+    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    tail = command[command.index(str(paired.find_recipe(None, "bert_glue"))) + 1 :]
+    assert tail[: len(glue_flags())] == glue_flags()
+    assert " ".join(tail[len(glue_flags()) :]) == (
+        "--mixed_precision fp16 --seed 2 --output_dir pairs/x/runs/fp16-seed2 --run_name bert_glue-fp16-seed2 "
+        "--wandb_group bert_glue --wandb_job_type fp16 --wandb_tags fp16,seed2,paired"
+    )
+
+
+def test_another_command_in_the_same_folder_is_refused(tmp_path):
+    args = parse("--arms", "fp32,bf16", "--output_dir", str(tmp_path))
+    paired.check_pair_config(args)
+    paired.check_pair_config(parse("--arms", "fp32,fp16", "--seeds", "5", "--output_dir", str(tmp_path)))
+    other = paired.parse_args(
+        ["--output_dir", str(tmp_path), "--arms", "fp32,bf16", *glue_flags(seed=None, learning_rate=1e-3)]
+    )
+    with pytest.raises(SystemExit, match="holds a pair run with other settings \\(recipe_args"):
+        paired.check_pair_config(other)
+
+
+# ----------------------------------------------------------------------------- W&B report
+def comparison_stub():
+    return {
+        "group": "mrpc-pair",
+        "arms": ["fp32", "bf16"],
+        "metrics": ["eval_accuracy", "eval_f1"],
+        "recipe": "bert_glue",
+        "recipe_args": ["--task_name", "mrpc"],
+    }
+
+
+def test_wandb_report_is_built_offline_with_its_panels_and_filter():
+    report = paired.build_report(comparison_stub(), "amp-recipes", "my-team")
+    assert (report.project, report.entity) == ("amp-recipes", "my-team")
+    assert report.title == "fp32 vs bf16: mrpc-pair"
+    grid = report.blocks[-1]
+    (runset,) = grid.runsets
+    assert runset.filters == "Group = 'mrpc-pair'" and runset.groupby == ["run.jobType"]
+    assert (runset.project, runset.entity) == ("amp-recipes", "my-team")
+    plotted = {panel.title: getattr(panel, "y", None) or panel.metrics for panel in grid.panels}
+    assert plotted == {
+        "training loss": ["loss"],
+        "dev metrics": ["eval_accuracy", "eval_f1"],
+        "fp16 loss scale": ["loss_scale"],
+        "samples/s": ["samples_per_second"],
+        "peak memory (bytes)": ["peak_memory_bytes"],
+        "training samples/s": ["train_samples_per_second"],
+        "final dev metrics": ["eval_accuracy", "eval_f1"],
+    }
+
+
+def test_wandb_report_without_the_package_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
+    monkeypatch.setitem(sys.modules, "wandb_workspaces.reports.v2", None)
+    with pytest.raises(SystemExit, match=r"pip install wandb-workspaces \(or pip install -e .\[report\]\)"):
+        paired.build_report(comparison_stub(), "amp-recipes", "me")
+
+
+# ----------------------------------------------------------------------------- headroom
+@pytest.mark.slow
+def test_headroom_comes_from_the_benchmark_search(tmp_path, monkeypatch):
+    """The benchmark's real upward search on the recipe's model and --max_seq_length (narrowed here
+    to two trials per arm: 256 and 512, both far inside the budget, so the search is capped)."""
+    args = paired.parse_args(
+        ["--arms", "fp32,bf16", "--output_dir", str(tmp_path), "--headroom", "--memory_budget_gb", "1.25"]
+        + glue_flags(max_seq_length=64)
+    )
+    commands = []
+    real_run = subprocess.run
+
+    def benchmark(command, **kwargs):
+        commands.append(command)
+        narrowed = ["--search_start", "256", "--search_granularity", "256", "--search_max", "512"]
+        return real_run([*command, *narrowed], **kwargs)
+
+    monkeypatch.setattr(paired.subprocess, "run", benchmark)
+    headroom = paired.measure_headroom(args)
+    (command,) = commands
+    assert command[1] == str(REPO / "scripts" / "benchmark_precision.py")
+    flags = dict(zip(command[2::2], command[3::2], strict=False))
+    assert flags["--arms"] == "fp32,bf16" and flags["--head"] == "sequence" and flags["--seq_len"] == "64"
+    assert flags["--model_name_or_path"] == str(TINY_BERT) and flags["--memory_budget_gb"] == "1.25"
+    bench = json.loads((tmp_path / "headroom" / "results.json").read_text())
+    assert [trial["batch_size"] for trial in bench["arms"]["bf16"]["trials"]] == [256, 512]
+    assert headroom["max_batch_size"] == {"fp32": 512, "bf16": 512}
+    assert headroom["capped_at_search_max"] == {"fp32": True, "bf16": True}
+    assert headroom["headroom"] == {"bf16": None}  # a lower bound over a lower bound is no ratio
+    assert paired.measure_headroom(args) == headroom and len(commands) == 1  # measured once, then read
+    # The report shows it beside the fine-tune figures.
+    runs = []
+    for arm in ("fp32", "bf16"):
+        write_run(tmp_path / arm, **figures(0.8, 10.0, 4e9, arm))
+        runs.append({"arm": arm, "seed": 1, "run_dir": str(tmp_path / arm), "status": "finished"})
+    text = paired.markdown(paired.compare(fake_args(["fp32", "bf16"], [1]), runs), headroom)
+    assert "| peak memory (GiB) | max batch |" in text and text.count(" | ≥512 |") == 2
+    assert "batch headroom" not in text
+    headroom = {**headroom, "max_batch_size": {"fp32": 256, "bf16": 512}, "headroom": {"bf16": 2.0}}
+    headroom["capped_at_search_max"] = {"fp32": False, "bf16": False}
+    text = paired.markdown(paired.compare(fake_args(["fp32", "bf16"], [1]), runs), headroom)
+    assert "| 256 |" in text and "| 512 |" in text and "batch headroom 2.00x" in text
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def headless_bert(tmp_path_factory):
+    """The tiny BERT without its classifier: each seed draws a new head, as with a pretrained encoder."""
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("headless")
+    BertForSequenceClassification.from_pretrained(TINY_BERT).bert.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_BERT).save_pretrained(folder)
+    return folder
+
+
+def pair_command(output_dir, model, *argv):
+    # Every MRPC pair is longer than 16 tokens: all batches are 16 wide, a multiple of 8, so an fp16
+    # arm's batches (padded to a multiple of 8) have the very shapes, hence dropout masks, of fp32's.
+    flags = glue_flags(model_name_or_path=model, max_train_samples=48, logging_steps=1, num_train_epochs=1)
+    flags += ["--max_seq_length", "16"]
+    cpu = ["--accelerate_config", REPO / "accelerate_configs" / "cpu.yaml"]
+    return [sys.executable, SCRIPT, "--output_dir", output_dir, *cpu, *argv, *flags, "--report_to", "wandb"]
+
+
+@pytest.mark.slow
+def test_pairs_run_resume_and_compare_end_to_end(tmp_path, headless_bert):
+    output_dir = tmp_path / "pair"
+    first = run(
+        pair_command(output_dir, headless_bert, "--arms", "fp32,bf16", "--seeds", "2", "--wandb_report"),
+        tmp_path,
+    )
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    comparison = json.loads((output_dir / "comparison.json").read_text())
+    results = {
+        (arm, seed): json.loads((output_dir / "runs" / f"{arm}-seed{seed}" / "eval_results.json").read_text())
+        for arm in ("fp32", "bf16")
+        for seed in (1, 2)
+    }
+    # Same initial weights within a seed, a new classifier head per seed.
+    shas = {key: r["initial_weights_sha256"] for key, r in results.items()}
+    assert shas["fp32", 1] == shas["bf16", 1] and shas["fp32", 2] == shas["bf16", 2]
+    assert shas["fp32", 1] != shas["fp32", 2] and comparison["unpaired_seeds"] == []
+    # Each run in its own process, in its precision; the aggregates are the runs' own figures.
+    assert {r["precision_in_effect"] for (arm, _), r in results.items() if arm == "bf16"} == {"bf16"}
+    for arm in ("fp32", "bf16"):
+        for name in ("eval_f1", "train_samples_per_second", "peak_memory_bytes"):
+            values = [results[arm, seed][name] for seed in (1, 2)]
+            assert comparison["per_arm"][arm][name]["values"] == values
+    speedups = [
+        results["bf16", s]["train_samples_per_second"] / results["fp32", s]["train_samples_per_second"]
+        for s in (1, 2)
+    ]
+    assert comparison["vs_fp32"]["bf16"]["speedup"]["values"] == pytest.approx(speedups)
+    assert (output_dir / "comparison.md").read_text() in first.stdout
+    assert (output_dir / "comparison.png").stat().st_size > 10_000
+    assert "W&B report built, not saved (WANDB_MODE is offline)" in first.stdout
+    # W&B: one offline run per arm x seed, in the pair's group, job type = arm, tagged, seed in config.
+    seen = set()
+    for run_dir in sorted((tmp_path / "wandb").glob("offline-run-*")):
+        record, config, _ = offline_run(tmp_path, run_dir)
+        arm, seed = record.job_type, config["seed"]
+        assert record.run_group == "pair" and record.display_name == f"pair-{arm}-seed{seed}"
+        assert list(record.tags) == [arm, f"seed{seed}", "paired"]
+        assert (
+            offline_summary(tmp_path, run_dir)["peak_memory_bytes"] == results[arm, seed]["peak_memory_bytes"]
+        )
+        seen.add((arm, seed))
+    assert seen == set(results)
+
+    # Again, with an fp16 arm and a third seed whose bf16 run cannot start (its folder is a file):
+    # the four finished runs are not rerun, the failure is reported, the rest still compared.
+    (output_dir / "runs" / "bf16-seed3").write_text("in the way")
+    mtimes = {
+        (arm, seed): (output_dir / "runs" / f"{arm}-seed{seed}" / "eval_results.json").stat().st_mtime_ns
+        for arm, seed in results
+    }
+    second = run(
+        pair_command(output_dir, headless_bert, "--arms", "fp32,bf16,fp16", "--seeds", "1,2,3"),
+        tmp_path,
+    )
+    assert second.returncode == 1 and "1 run(s) failed" in second.stderr
+    assert second.stdout.count("finished earlier") == 4
+    assert all(
+        (output_dir / "runs" / f"{arm}-seed{seed}" / "eval_results.json").stat().st_mtime_ns == mtime
+        for (arm, seed), mtime in mtimes.items()
+    )
+    comparison = json.loads((output_dir / "comparison.json").read_text())
+    status = {(r["arm"], r["seed"]): r["status"] for r in comparison["runs"]}
+    assert status.pop(("bf16", 3)) == "failed" and set(status.values()) == {"finished"}
+    failed = next(r for r in comparison["runs"] if r["status"] == "failed")
+    assert failed["error"].startswith("error: --output_dir") and "is a file" in failed["error"]
+    assert "bf16 seed 3: failed — error: --output_dir" in (output_dir / "comparison.md").read_text()
+    assert comparison["vs_fp32"]["bf16"]["seeds"] == [1, 2]
+    assert "ran fp32" in comparison["vs_fp32"]["fp16"]["no_ratio_reason"]  # fp16 on a CPU: no verdict
+    # fp16 on a CPU computes in fp32: from the same weights, on the same batches in the same order,
+    # its losses are fp32's, bit for bit.
+    for seed in (1, 2, 3):
+        losses = {}
+        for arm in ("fp32", "fp16"):
+            history = (
+                (output_dir / "runs" / f"{arm}-seed{seed}" / "log_history.jsonl").read_text().splitlines()
+            )
+            losses[arm] = [json.loads(line)["loss"] for line in history if '"loss"' in line]
+        assert len(losses["fp32"]) == 6 and losses["fp16"] == losses["fp32"]
+    assert "- bf16 seed 3: failed" in (output_dir / "comparison.md").read_text()
+    # --compare_only: runs nothing, reports what is missing.
+    third = run(
+        pair_command(output_dir, headless_bert, "--arms", "fp32,bf16", "--seeds", "1,2,4", "--compare_only"),
+        tmp_path,
+    )
+    assert third.returncode == 0 and not (output_dir / "runs" / "fp32-seed4").exists()
+    assert "- fp32 seed 4: not run" in third.stdout and "[fp32 seed 4]" not in third.stdout
