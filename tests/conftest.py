@@ -157,6 +157,18 @@ def recipe():
     reset_accelerate()
 
 
+@pytest.fixture
+def wandb_dir(tmp_path, monkeypatch):
+    """In-process W&B runs written under tmp_path. wandb reads its environment once per process
+    session (a later WANDB_DIR is ignored, with a warning), so the session is torn down first."""
+    import wandb
+
+    wandb.teardown()
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    yield tmp_path
+    wandb.teardown()
+
+
 def train(module, argv):
     """One in-process run of the recipe with fresh accelerate singletons."""
     reset_accelerate()

@@ -411,8 +411,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, error):
     assert json.loads((tmp_path / "checkpoint-2" / MARKER).read_text())["files"] == {"model.safetensors": 10}
 
 
-def test_resumed_run_continues_the_same_wandb_run(recipe, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+def test_resumed_run_continues_the_same_wandb_run(recipe, tmp_path, monkeypatch, wandb_dir):
     argv = [
         *TINY,
         "--max_train_samples",

@@ -115,12 +115,11 @@ def test_skipped_steps_loss_scale_and_schedule_are_exact(
     )
 
 
-def test_fp16_telemetry_reaches_the_wandb_record(recipe, tmp_path, monkeypatch):
+def test_fp16_telemetry_reaches_the_wandb_record(recipe, tmp_path, monkeypatch, wandb_dir):
     """The W&B run (read back from its offline record) has the loss scale and skipped steps of every
     logged step, as the GradScaler had them, and the run's totals in its summary."""
     from wandb_offline import offline_run, offline_summary
 
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
     inject(monkeypatch, recipe, {2, 3})
     argv = [*TINY, "--mixed_precision", "fp16", "--max_train_steps", 5, "--fp16_init_scale", 1024]
