@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -107,12 +108,17 @@ def bare_worker(spec: dict) -> dict:
     from torch.utils.data import DataLoader
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-    from amp_recipes.data import load_glue, make_collator, tokenize_splits
+    from amp_recipes.data import first_rows, load_glue, make_collator, tokenize_splits
     from amp_recipes.optim import optimizer_grouped_parameters
 
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accumulation = spec.get("gradient_accumulation_steps", 1)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=accumulation,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
     set_seed(spec["seed"])
     task = load_glue(spec["task_name"], spec["data_dir"])
+    task.splits["train"] = first_rows(task.splits["train"], spec.get("max_train_samples"))
     tokenizer = AutoTokenizer.from_pretrained(spec["model_name_or_path"])
     train = tokenize_splits(task, tokenizer, spec["max_seq_length"])["train"]
     loader = DataLoader(
@@ -130,23 +136,28 @@ def bare_worker(spec: dict) -> dict:
         optimizer_grouped_parameters(model, spec["weight_decay"]), lr=spec["learning_rate"], fused=True
     )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    steps = spec["max_train_steps"] or len(loader) * spec["num_train_epochs"]
+    steps = spec["max_train_steps"] or math.ceil(len(loader) / accumulation) * spec["num_train_epochs"]
     scheduler = accelerator.prepare(
         get_scheduler("linear", optimizer, int(spec["warmup_ratio"] * steps), steps)
     )
     model.train()
-    done, tokens, positions, started = 0, 0, 0, time.perf_counter()
+    done, tokens, positions, losses, started = 0, 0, 0, [], time.perf_counter()
     for epoch in range(spec["num_train_epochs"] if not spec["max_train_steps"] else 10**6):
         loader.set_epoch(epoch)
         for batch in loader:
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.append(loss.detach())  # one per batch (accumulated batches: several per step)
             tokens += batch["attention_mask"].sum()
             positions += batch["attention_mask"].numel()
+            if not accelerator.sync_gradients:
+                continue
             done += 1
             if done == steps:
                 break
@@ -154,12 +165,15 @@ def bare_worker(spec: dict) -> dict:
             break
     tokens = int(tokens)  # the loop's only sync, after it
     seconds = time.perf_counter() - started
+    if spec.get("save_weights"):  # the final weights, for tests/scripts/test_compare_loops.py
+        accelerator.unwrap_model(model).save_pretrained(spec["work_dir"])
     return {
         "train_steps": done,
         "train_seconds": seconds,
         "train_tokens": tokens,
         "padding_fraction": 1 - tokens / positions,
         "loss": float(loss),
+        "losses": torch.stack(losses).tolist(),
     }
 
 

@@ -469,7 +469,7 @@ def markdown(comparison: dict, headroom: dict | None) -> str:
     if comparison["unpaired_seeds"]:
         lines += [
             f"Seeds {comparison['unpaired_seeds']} are left out of the ratios: their arms did not start from "
-            "the same initial weights (initial_weights_sha256 differs or is missing).",
+            "the same initial weights (their initial_weights_sha256 differ).",
             "",
         ]
     if headroom and headroom.get("note"):

@@ -132,8 +132,8 @@ def build_tiny_bert(folder: Path) -> Path:
     """The tiny random BERT of the recipe tests: a sequence classifier (2 labels; hidden 32,
     5 layers, 4 heads) with bert-base-uncased's real tokenizer from the repository's data/.
     Not a tokenizer trained here: the WordPiece trainer breaks ties in hash order, so two
-    sessions would get different vocabularies, and the golden losses in
-    tests/recipes/expected_losses.json need the same token ids every time. Seeded weights."""
+    sessions would get different vocabularies: every session builds the same model, token ids
+    and seeded weights alike."""
     tokenizer = AutoTokenizer.from_pretrained(BERT_BASE_CONFIG, model_max_length=512)
     config = BertConfig(
         vocab_size=len(tokenizer),

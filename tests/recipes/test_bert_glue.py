@@ -1,26 +1,15 @@
 """recipes/bert_glue.py end to end: real `accelerate launch` subprocesses on real MRPC files.
-
-Re-record the expected losses (after a deliberate change to the training math) with:
-
-    python tests/recipes/test_bert_glue.py --record
-"""
+(Its training math against an independent loop: tests/scripts/test_compare_loops.py.)"""
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-if __name__ == "__main__":  # run as a script (--record): make tests/conftest.py importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from conftest import BUILT_MODELS, GLUE_DIR, RECIPES, REPO, TINY_BERT, accelerate_launch, glue_flags, run
+from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, accelerate_launch, glue_flags, run
 from wandb_offline import offline_run, offline_summary
-
-EXPECTED_LOSSES = Path(__file__).with_name("expected_losses.json")
 
 # A seeded fp32 run on the tiny random BERT, one loss per optimizer step.
 TINY_MRPC_ARGS = glue_flags(
@@ -38,10 +27,6 @@ TINY_MRPC_ARGS = glue_flags(
 def read_history(output_dir):
     lines = (Path(output_dir) / "log_history.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
-
-
-def step_losses(output_dir):
-    return [row["loss"] for row in read_history(output_dir) if "loss" in row]
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +110,6 @@ def test_wandb_offline_run_has_the_config_and_metrics(tiny_mrpc_run):
     assert summary["precision_in_effect"] == "fp32" and summary["eval_f1"] == results["eval_f1"]
 
 
-def test_seeded_fp32_losses_match_the_recorded_ones(tiny_mrpc_run):
-    _, output_dir, _ = tiny_mrpc_run
-    expected = json.loads(EXPECTED_LOSSES.read_text())["losses"]
-    torch.testing.assert_close(
-        torch.tensor(step_losses(output_dir)), torch.tensor(expected), rtol=1e-4, atol=1e-5
-    )
-
-
 def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
     output_dir = tmp_path / "out"
     result = run(
@@ -195,12 +172,15 @@ def test_real_minilm_fine_tune_learns_mrpc(tmp_path):
     """The README's quick start, verbatim: pretrained MiniLM-L6 fine-tuned on all 3,668 real MRPC
     training pairs from data/glue for one epoch, offline, with accelerate_configs/cpu.yaml.
 
-    The bar: dev accuracy >= 0.72 and F1 >= 0.82. Always answering "equivalent" (the majority
-    class) gives accuracy 0.684 and F1 0.812 on MRPC dev, and that, or worse, is where a broken
-    fine-tune ends (labels ignored, no learning, a frozen model). This exact run measured
-    0.748 / 0.841 on the development CPU; the 3-epoch run in README.md reaches 0.797 / 0.860.
-    MiniLM-L6 is small and was trained for sentence embeddings, so one epoch on MRPC is a modest
-    but clear step above the majority class.
+    The bar: dev accuracy >= 0.735 and F1 >= 0.83. This exact run measured 0.748 / 0.841 on
+    both development CPUs (a 2-core AMD EPYC and a 2-core Intel Xeon, the same figures). Always
+    answering "equivalent" (the majority class) gives 0.684 / 0.812, and that, or worse, is where
+    a broken fine-tune ends (labels ignored, no learning, a frozen model). Measured mutations:
+    no warm-up (--warmup_ratio 0) ends at 0.716 / 0.822, below the bar. Two others cannot be
+    seen in the scores of this run: weight decay on the LayerNorm weights (0.748 / 0.841, the
+    same) and token_type_ids dropped from the forward (0.750 / 0.840). Those are caught exactly
+    by tests/scripts/test_compare_loops.py (the recipe against the bare loop, step for step) and
+    tests/unit/test_batches.py (the parameter groups).
     """
     readme = (REPO / "README.md").read_text()
     block = readme.split("<!-- quick-start -->")[1].split("<!-- /quick-start -->")[0]
@@ -217,8 +197,8 @@ def test_real_minilm_fine_tune_learns_mrpc(tmp_path):
     assert "computes with 1 thread" not in result.stderr  # cpu.yaml keeps every core
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((output_dir / "eval_results.json").read_text())
-    assert results["eval_accuracy"] >= 0.72, results
-    assert results["eval_f1"] >= 0.82, results
+    assert results["eval_accuracy"] >= 0.735, results
+    assert results["eval_f1"] >= 0.83, results
 
 
 # ----------------------------------------------------------------------------- bad input (the matrix: test_bad_input.py)
@@ -270,48 +250,3 @@ def test_cli_prints_one_error_line_without_traceback(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: No GLUE files for cola under")
     assert "Traceback" not in result.stderr
-
-
-def record():
-    """Re-run the seeded tiny run and store its per-step losses as the new reference."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        result = run(
-            accelerate_launch(
-                "--num_processes",
-                1,
-                RECIPES / "bert_glue.py",
-                *TINY_MRPC_ARGS,
-                "--output_dir",
-                tmp_path / "out",
-            ),
-            tmp_path,
-        )
-        result.check_returncode()
-        losses = step_losses(tmp_path / "out")
-    EXPECTED_LOSSES.write_text(
-        json.dumps(
-            {
-                "command": "python tests/recipes/test_bert_glue.py --record",
-                "torch": torch.__version__,
-                "losses": losses,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {len(losses)} losses to {EXPECTED_LOSSES}")
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--record"]:
-        sys.exit("usage: python tests/recipes/test_bert_glue.py --record")
-    from families import build_tiny_bert
-
-    build_tiny_bert(TINY_BERT)  # what conftest's pytest_sessionstart does for a test session
-    try:
-        record()
-    finally:
-        shutil.rmtree(BUILT_MODELS, ignore_errors=True)

@@ -195,12 +195,36 @@ def test_nonfinite_loss_under_fp32_stops_without_saving_spoiled_weights(recipe, 
     assert not (tmp_path / "model.safetensors").exists()
 
 
-def test_activation_monitor_reports_the_modules_closest_to_fp16_overflow(recipe, tmp_path):
+def test_activation_monitor_reports_the_modules_closest_to_fp16_overflow(recipe, tmp_path, monkeypatch):
+    """The monitor's top 5 against the test's own hooks: every training forward's per-module
+    max |output| kept, the sampled forwards (1 and 3 of 3, one in --activation_monitor_interval 2)
+    reduced, divided by fp16's largest value and ranked."""
+    seen = []  # per training forward: {module: max |output|}
+    real = recipe.AutoModelForSequenceClassification
+
+    class Watched:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            model = real.from_pretrained(*args, **kwargs)
+            model.register_forward_pre_hook(lambda module, _: seen.append({}) if module.training else None)
+            for name, module in model.named_modules():
+                if name and not list(module.children()) and not isinstance(module, torch.nn.Dropout):
+
+                    def hook(module, _, output, name=name):
+                        if module.training and output.is_floating_point():
+                            seen[-1][name] = output.detach().abs().max().item()
+
+                    module.register_forward_hook(hook)
+            return model
+
+    monkeypatch.setattr(recipe, "AutoModelForSequenceClassification", Watched)
     argv = [*TINY, "--max_train_steps", 3, "--activation_monitor_interval", 2, "--output_dir", tmp_path]
     results = train(recipe, argv)
-    ranges = results["fp16_range"]
-    assert len(ranges) == 5 and all(0 < ratio < 1 for ratio in ranges.values())
-    assert list(ranges.values()) == sorted(ranges.values(), reverse=True)
+    assert len(seen) == 3
+    sampled = {name: max(seen[0][name], seen[2][name]) / torch.finfo(torch.float16).max for name in seen[0]}
+    expected = dict(sorted(sampled.items(), key=lambda item: -item[1])[:5])
+    assert list(results["fp16_range"]) == list(expected)
+    assert results["fp16_range"] == pytest.approx(expected, rel=1e-6)
     assert any(key.startswith("fp16_range/") for key in log_history(tmp_path)[0])
 
 
