@@ -169,6 +169,21 @@ def wandb_dir(tmp_path, monkeypatch):
     wandb.teardown()
 
 
+def on_model_load(monkeypatch, module, auto_class: str, hook) -> None:
+    """Calls hook(model) on every model `module` loads through its `auto_class`.from_pretrained:
+    how a test attaches its own hooks (or faults) to a recipe's model."""
+    real = getattr(module, auto_class)
+
+    class Hooked:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            model = real.from_pretrained(*args, **kwargs)
+            hook(model)
+            return model
+
+    monkeypatch.setattr(module, auto_class, Hooked)
+
+
 def train(module, argv):
     """One in-process run of the recipe with fresh accelerate singletons."""
     reset_accelerate()

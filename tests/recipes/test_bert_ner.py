@@ -158,19 +158,13 @@ def test_pretrained_minilm_learns_conll_entities(ner, tmp_path):
 def test_fp16_skips_the_overflowing_step_and_evaluates_under_autocast(ner, tmp_path, monkeypatch, caplog):
     """accelerate's real fp16 path (the CPU fixture): an overflow injected at step 2 of the token
     classifier skips that step and halves the loss scale; evaluation runs under fp16 autocast."""
-    from conftest import Fp16OnCpu
+    from conftest import Fp16OnCpu, on_model_load
     from test_fp16_telemetry import OverflowInjector
 
-    real = ner.AutoModelForTokenClassification
+    def inject(model):
+        OverflowInjector(model, "bert.encoder.layer.1.output.dense", {2})
 
-    class Injected:
-        @staticmethod
-        def from_pretrained(*args, **kwargs):
-            model = real.from_pretrained(*args, **kwargs)
-            OverflowInjector(model, "bert.encoder.layer.1.output.dense", {2})
-            return model
-
-    monkeypatch.setattr(ner, "AutoModelForTokenClassification", Injected)
+    on_model_load(monkeypatch, ner, "AutoModelForTokenClassification", inject)
     monkeypatch.setattr(ner, "Accelerator", Fp16OnCpu)
     caplog.set_level("INFO")
     argv = [

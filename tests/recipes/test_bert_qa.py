@@ -189,24 +189,20 @@ def test_fp16_logits_leave_autocast_as_float32(qa, tmp_path, monkeypatch, caplog
     """accelerate's real fp16 path (the CPU fixture): an overflow injected at step 2 skips that step
     and halves the loss scale; evaluation runs under fp16 autocast, and post-processing receives
     float32 logits."""
-    from conftest import Fp16OnCpu
+    from conftest import Fp16OnCpu, on_model_load
     from test_fp16_telemetry import OverflowInjector
 
-    real_model, real_postprocess, seen = qa.AutoModelForQuestionAnswering, qa.postprocess, []
+    real_postprocess, seen = qa.postprocess, []
 
-    class Injected:
-        @staticmethod
-        def from_pretrained(*args, **kwargs):
-            model = real_model.from_pretrained(*args, **kwargs)
-            OverflowInjector(model, "bert.encoder.layer.1.output.dense", {2})
-            model.qa_outputs.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
-            return model
+    def inject(model):
+        OverflowInjector(model, "bert.encoder.layer.1.output.dense", {2})
+        model.qa_outputs.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
 
     def recording(examples, windows, start_logits, end_logits, *rest):
         seen.append({row.dtype for row in start_logits + end_logits})
         return real_postprocess(examples, windows, start_logits, end_logits, *rest)
 
-    monkeypatch.setattr(qa, "AutoModelForQuestionAnswering", Injected)
+    on_model_load(monkeypatch, qa, "AutoModelForQuestionAnswering", inject)
     monkeypatch.setattr(qa, "postprocess", recording)
     monkeypatch.setattr(qa, "Accelerator", Fp16OnCpu)
     caplog.set_level("INFO")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import Fp16OnCpu, glue_flags, log_history, train
+from conftest import Fp16OnCpu, glue_flags, log_history, on_model_load, train
 from safetensors.torch import load_file
 
 from amp_recipes.checkpoint import complete_checkpoints
@@ -46,16 +46,12 @@ class OverflowInjector:
 
 
 def inject(monkeypatch, recipe, steps, kind="forward"):
-    real = recipe.AutoModelForSequenceClassification
-
-    class Injected:
-        @staticmethod
-        def from_pretrained(*args, **kwargs):
-            model = real.from_pretrained(*args, **kwargs)
-            OverflowInjector(model, INJECTED, steps, kind)
-            return model
-
-    monkeypatch.setattr(recipe, "AutoModelForSequenceClassification", Injected)
+    on_model_load(
+        monkeypatch,
+        recipe,
+        "AutoModelForSequenceClassification",
+        lambda model: OverflowInjector(model, INJECTED, steps, kind),
+    )
 
 
 def expected_scales(steps, skipped, init_scale, growth_interval, growth=2.0, backoff=0.5):
@@ -200,24 +196,19 @@ def test_activation_monitor_reports_the_modules_closest_to_fp16_overflow(recipe,
     max |output| kept, the sampled forwards (1 and 3 of 3, one in --activation_monitor_interval 2)
     reduced, divided by fp16's largest value and ranked."""
     seen = []  # per training forward: {module: max |output|}
-    real = recipe.AutoModelForSequenceClassification
 
-    class Watched:
-        @staticmethod
-        def from_pretrained(*args, **kwargs):
-            model = real.from_pretrained(*args, **kwargs)
-            model.register_forward_pre_hook(lambda module, _: seen.append({}) if module.training else None)
-            for name, module in model.named_modules():
-                if name and not list(module.children()) and not isinstance(module, torch.nn.Dropout):
+    def watch(model):
+        model.register_forward_pre_hook(lambda module, _: seen.append({}) if module.training else None)
+        for name, module in model.named_modules():
+            if name and not list(module.children()) and not isinstance(module, torch.nn.Dropout):
 
-                    def hook(module, _, output, name=name):
-                        if module.training and output.is_floating_point():
-                            seen[-1][name] = output.detach().abs().max().item()
+                def hook(module, _, output, name=name):
+                    if module.training and output.is_floating_point():
+                        seen[-1][name] = output.detach().abs().max().item()
 
-                    module.register_forward_hook(hook)
-            return model
+                module.register_forward_hook(hook)
 
-    monkeypatch.setattr(recipe, "AutoModelForSequenceClassification", Watched)
+    on_model_load(monkeypatch, recipe, "AutoModelForSequenceClassification", watch)
     argv = [*TINY, "--max_train_steps", 3, "--activation_monitor_interval", 2, "--output_dir", tmp_path]
     results = train(recipe, argv)
     assert len(seen) == 3
