@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -279,9 +280,10 @@ def check_pair_config(args) -> None:
 
 # ----------------------------------------------------------------------------- statistics
 def mean_sd(values: list[float]) -> dict:
+    """Mean and sample sd (n - 1); NaN where there are too few values."""
     n = len(values)
-    mean = sum(values) / n if n else math.nan
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
+    mean = statistics.fmean(values) if n else math.nan
+    sd = statistics.stdev(values) if n > 1 else math.nan
     return {"mean": mean, "sd": sd, "n": n, "values": values}
 
 
