@@ -59,10 +59,18 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
     amp = parser.add_argument_group("mixed precision")
     amp.add_argument(
         "--mixed_precision",
-        choices=["no", "fp16", "bf16", "auto"],
+        choices=["no", "fp16", "bf16", "fp8", "auto"],
         default=None,
         help="Default: whatever `accelerate launch` / its config file says (else fp32). auto: bf16 "
-        "where the device has it natively, else fp16 on a Tensor-Core GPU, else fp32.",
+        "where the device has it natively, else fp16 on a Tensor-Core GPU, else fp32 (never fp8). "
+        "fp8: Ada/Hopper GPUs (compute capability 8.9+), Linear layers in fp8, the rest bf16.",
+    )
+    amp.add_argument(
+        "--fp8_backend",
+        choices=["ao", "te"],
+        default=None,
+        help="fp8 engine: ao = torchao's Float8Linear (`pip install -e .[fp8]`), te = NVIDIA Transformer "
+        "Engine. Default: accelerate launch's --fp8_backend, else ao.",
     )
     # The GradScaler's settings (fp16 only), passed to accelerate as GradScalerKwargs; the defaults are torch's.
     amp.add_argument("--fp16_init_scale", type=float, default=65536.0, help="Initial loss scale.")

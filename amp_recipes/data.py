@@ -634,8 +634,12 @@ def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | N
 # ----------------------------------------------------------------------------- batches
 def pad_multiple(mixed_precision: str) -> int | None:
     """Tensor Cores run fp16/bf16 matmuls fastest on dimensions that are multiples of 8, so
-    reduced-precision batches are padded up to one; fp32 pads to the longest sequence."""
-    return 8 if mixed_precision in ("fp16", "bf16", "fp8") else None
+    reduced-precision batches are padded up to one; fp32 pads to the longest sequence. fp8 matmuls
+    (torch._scaled_mm) need multiples of 16, and batch x sequence is the inner dimension of the
+    weight gradient's: padded here, torchao need not pad every one of those matmuls itself."""
+    if mixed_precision == "fp8":
+        return 16
+    return 8 if mixed_precision in ("fp16", "bf16") else None
 
 
 def make_collator(tokenizer, mixed_precision: str):

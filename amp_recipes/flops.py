@@ -56,7 +56,7 @@ def device_peak_tflops(device_name: str, precision: str) -> float | None:
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe"/"H100 NVL" before "H100"
         # Whole words only: "L4" must not match an "L40S", nor "A10" an "A100".
         if all(re.search(rf"\b{re.escape(part)}\b", device_name, re.IGNORECASE) for part in key.split()):
-            return PEAK_TFLOPS[key][precision]
+            return PEAK_TFLOPS[key].get(precision)  # none for fp8: its FLOPs run at two peaks
     return None
 
 
@@ -64,3 +64,24 @@ def mfu(flops_per_step: float, step_seconds: float, peak_tflops: float | None) -
     if not peak_tflops or step_seconds <= 0:
         return None
     return flops_per_step / step_seconds / (peak_tflops * 1e12)
+
+
+def forward_flops_by_module(model_class, config, seq_len: int) -> dict[str, int]:
+    """FLOPs of one forward pass on one sequence of `seq_len` tokens, per module name ("" for the
+    whole model), counted by torch's FlopCounterMode on a copy of the model built on the meta device
+    (shapes only: no memory, no computation). Exact where the formula above approximates: BERT's
+    pooler and classifier see one token per sequence, not seq_len."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        shadow = model_class(config)
+        input_ids = torch.zeros(1, seq_len, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        shadow(input_ids=input_ids)
+    root = type(shadow).__name__
+    counts = {
+        "" if name == root else name.removeprefix(root + "."): sum(ops.values())
+        for name, ops in counter.get_flop_counts().items()
+        if name != "Global"
+    }
+    return counts

@@ -3,17 +3,25 @@
 accelerate takes `mixed_precision` from the script's argument, else from
 `ACCELERATE_MIXED_PRECISION` (set by `accelerate launch --mixed_precision` or
 its config file), else "no". It then silently runs fp32 when fp16 is asked on
-a CPU. This module resolves `--mixed_precision auto`, runs the preflight (launch, device and
+a CPU, and fp16 when fp8 is asked on a GPU older than Ada/Hopper. This module resolves
+`--mixed_precision auto`, refuses fp8 where it cannot run, runs the preflight (launch, device and
 precision checks) and reports what actually happens, so logs never claim fp16 for an fp32 run.
 """
 
 from __future__ import annotations
 
 import os
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import (
+    AORecipeKwargs,
+    DistributedType,
+    TERecipeKwargs,
+    is_torchao_available,
+    is_transformer_engine_available,
+)
 
 from .errors import InputError
 from .hardware import device_facts, tf32_matmul_enabled
@@ -99,6 +107,167 @@ def resolve_mixed_precision(flag: str | None) -> tuple[str | None, str | None]:
     if flag != "auto":
         return flag, None
     return choose_auto_precision(device_facts())
+
+
+# ----------------------------------------------------------------------------- fp8
+# --fp8_backend -> (package, how to install it). torchao is the default: a plain wheel from the
+# package index (our `[fp8]` extra); Transformer Engine builds against the local CUDA toolkit.
+FP8_BACKENDS = {
+    "ao": ("torchao", "pip install -e .[fp8]"),
+    "te": ("transformer_engine", "pip install transformer-engine[pytorch]"),
+}
+FP8_CAPABILITY = (8, 9)  # fp8 Tensor Cores: Ada (8.9: L4, L40S), Hopper (9.0: H100, H200), Blackwell
+
+
+def fp8_backend_choice(flag: str | None) -> str:
+    """--fp8_backend, else `accelerate launch --fp8_backend` (ACCELERATE_FP8_BACKEND), else torchao."""
+    backend = (flag or os.environ.get("ACCELERATE_FP8_BACKEND") or "ao").lower()
+    if backend not in FP8_BACKENDS:
+        raise InputError(
+            f"fp8 backend {backend!r} (from accelerate launch/config) is not one these recipes wire; "
+            "use --fp8_backend ao (torchao) or te (Transformer Engine)."
+        )
+    return backend
+
+
+def fp8_refusal(facts: dict, backend: str) -> str | None:
+    """Why fp8 cannot run on this device with this backend (one sentence with what to use instead), or None."""
+    capability = facts.get("compute_capability")
+    if facts["device_type"] != "cuda" or tuple(map(int, capability.split("."))) < FP8_CAPABILITY:
+        where = (
+            f"{facts['device_name']} (compute capability {capability})"
+            if facts["device_type"] == "cuda"
+            else f"a {facts['device_type']} ({facts['device_name']})"
+        )
+        instead = choose_auto_precision(facts)[0]  # bf16 on Ampere, fp16 on Volta/Turing, ...
+        return (
+            f"fp8 was asked on {where}, but fp8 training needs an NVIDIA GPU of compute capability 8.9 "
+            f"or newer (Ada L4/L40S, Hopper H100/H200, Blackwell); use --mixed_precision {instead} instead."
+        )
+    available = is_torchao_available() if backend == "ao" else is_transformer_engine_available()
+    if not available:
+        package, install = FP8_BACKENDS[backend]
+        return (
+            f"fp8 with --fp8_backend {backend} needs {package}, which is not installed: `{install}` "
+            f"(or use --mixed_precision bf16 on this {facts['device_name']})."
+        )
+    return None
+
+
+def fp8_linear_config():
+    """torchao's Float8Linear settings: dynamic tensorwise scaling (torchao's default recipe);
+    inner dimensions padded to multiples of 16 (torch._scaled_mm needs them; the weight-gradient
+    matmul's inner dimension is batch x sequence), fp8 all-gathers under FSDP2: accelerate's defaults."""
+    from torchao.float8 import Float8LinearConfig
+
+    return Float8LinearConfig(pad_inner_dim=True, enable_fsdp_float8_all_gather=True)
+
+
+def fp8_recipe_kwargs(mixed_precision: str | None, fp8_backend: str | None) -> list:
+    """accelerate's fp8 recipe handler, to unpack into `kwargs_handlers`: none unless fp8 is asked
+    (by --mixed_precision or by accelerate launch/config). Raises InputError, before any
+    Accelerator exists, where fp8 cannot run: accelerate itself would fall back to fp16 with a
+    warning on an older GPU, or fail later with an ImportError."""
+    if (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) != "fp8":
+        return []
+    backend = fp8_backend_choice(fp8_backend)
+    refusal = fp8_refusal(device_facts(), backend)
+    if refusal:
+        raise InputError(refusal)
+    if backend == "te":
+        # Transformer Engine: delayed scaling from an amax history, HYBRID format (E4M3 forward, E5M2
+        # gradients) unless accelerate launch's --fp8_format / --fp8_* flags say otherwise.
+        return [TERecipeKwargs()]
+    # torchao: accelerate swaps nn.Linear for Float8Linear in prepare(), except the first and last
+    # Linear layers and any whose sizes are not multiples of 16 (accelerate's default filter).
+    return [AORecipeKwargs(config=fp8_linear_config())]
+
+
+def is_fp8_linear(module: torch.nn.Module) -> bool:
+    """torchao's Float8Linear or a Transformer Engine layer (what accelerate swaps nn.Linear for)."""
+    return type(module).__module__.startswith(("torchao.float8", "transformer_engine"))
+
+
+# What FSDP (1), activation checkpointing and torch.compile insert into module names; accelerate's
+# unwrap_model removes DDP's and DeepSpeed's wrappers, not these.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _package_version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _flop_share(unwrapped: torch.nn.Module, fp8_names: list[str], seq_len: int) -> float | None:
+    """The fp8 layers' share of one forward pass's FLOPs; None for a model the meta-device copy
+    cannot be built for (not a transformers model: no `config` to build it from)."""
+    from .flops import forward_flops_by_module
+
+    try:
+        flops = forward_flops_by_module(type(unwrapped), unwrapped.config, seq_len)
+    except (AttributeError, TypeError, NotImplementedError, RuntimeError):
+        return None
+    total = flops.pop("")
+    return sum(flops.get(name, 0) for name in fp8_names) / total if total else None
+
+
+def fp8_layer_report(accelerator: Accelerator, model: torch.nn.Module, seq_len: int) -> dict:
+    """After prepare(): how many Linear layers run in fp8, which stay in high precision, and the
+    fp8 layers' share of the model's matmul FLOPs on a sequence of `seq_len` tokens (attention's
+    score and weighted-sum matmuls included, which run in bf16). Empty unless fp8 is on."""
+    if not getattr(accelerator, "fp8_enabled", False):
+        return {}
+    unwrapped = accelerator.unwrap_model(model)
+    fp8, high = [], []
+    for name, module in unwrapped.named_modules():
+        for part in _WRAPPER_PARTS:
+            name = name.replace(part, "")
+        if is_fp8_linear(module):
+            fp8.append(name)
+        elif isinstance(module, torch.nn.Linear):
+            high.append(name)
+    backend = accelerator.fp8_backend.value.lower()
+    package = FP8_BACKENDS[backend][0] if backend in FP8_BACKENDS else backend
+    handler = accelerator.ao_recipe_handler if backend == "ao" else None
+    report = {
+        "fp8_backend": backend,
+        "fp8_backend_version": _package_version(package),
+        # torchao's emulation (a test setting): fp8 rounding in fp32 matmuls, no fp8 Tensor Cores.
+        "fp8_emulated": bool(handler and handler.config and handler.config.emulate),
+        "fp8_linear_layers": len(fp8),
+        "linear_layers": len(fp8) + len(high),
+        "high_precision_linear_layers": high,
+        "fp8_flop_share": _flop_share(unwrapped, fp8, seq_len),
+        "fp8_flop_share_seq_len": seq_len,
+    }
+    if not fp8:  # nothing passed the backend's filter: accelerate's bf16 autocast is all that runs
+        report["precision_in_effect"] = "bf16"
+    return report
+
+
+def log_fp8_report(report: dict, logger) -> None:
+    """One line: the fp8 layers and their FLOP share; a warning when prepare() converted none."""
+    if "fp8_linear_layers" not in report:
+        return
+    if not report["fp8_linear_layers"]:
+        logger.warning(
+            "fp8 was asked but no Linear layer runs in fp8 (none passed the backend's filter): this run "
+            "is bf16 throughout; use --mixed_precision bf16 to say so.",
+            main_process_only=True,
+        )
+        return
+    kept = ", ".join(report["high_precision_linear_layers"]) or "none"
+    share = report["fp8_flop_share"]
+    flops = "FLOP share not computed" if share is None else f"{share:.1%} of the forward matmul FLOPs"
+    logger.info(
+        f"fp8 ({report['fp8_backend']} {report['fp8_backend_version']}"
+        f"{', emulated' if report['fp8_emulated'] else ''}): {report['fp8_linear_layers']} of "
+        f"{report['linear_layers']} Linear layers, {flops} at {report['fp8_flop_share_seq_len']} tokens; "
+        f"kept in bf16: {kept}",
+        main_process_only=True,
+    )
 
 
 def check_launch(accelerator) -> None:
@@ -193,7 +362,7 @@ def check_model_dtype(
         return
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     half = sorted(str(d).replace("torch.", "") for d in dtypes & {torch.float16, torch.bfloat16})
-    if half and precision_in_effect in ("fp16", "bf16"):
+    if half and precision_in_effect in ("fp16", "bf16", "fp8"):
         raise InputError(
             f"The model's weights are {'/'.join(half)} while {precision_in_effect} mixed precision is on: "
             "load the model in float32 (from_pretrained(..., dtype=torch.float32), not .half() or "

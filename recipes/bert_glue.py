@@ -41,7 +41,15 @@ from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.metrics import load_metric
 from amp_recipes.optim import make_optimizer, training_schedule
 from amp_recipes.outputs import claim_output_dir
-from amp_recipes.precision import check_model_dtype, log_preflight, preflight, resolve_mixed_precision
+from amp_recipes.precision import (
+    check_model_dtype,
+    fp8_layer_report,
+    fp8_recipe_kwargs,
+    log_fp8_report,
+    log_preflight,
+    preflight,
+    resolve_mixed_precision,
+)
 from amp_recipes.records import RunRecord, init_trackers, weights_fingerprint, write_final_figures
 from amp_recipes.telemetry import ActivationMonitor, StepTelemetry
 
@@ -173,7 +181,8 @@ def evaluate(model, eval_dataloaders, metric, accelerator, is_regression):
     # fork_rng: iterating a DataLoader draws from the global RNG, and evaluating must not change
     # the dropout and shuffling that training sees next (same run, whatever --eval_steps is).
     cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda_devices), torch.inference_mode():
+    # AMP: no_grad, not inference_mode: torchao's fp8 Linear layers fail under it (pytorch/ao#643).
+    with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
         for split, dataloader in eval_dataloaders.items():
             samples = 0
             for batch in dataloader:
@@ -198,14 +207,16 @@ def main(argv=None):
     # AMP: `auto` becomes bf16 where the device has it natively, else fp16 on a Tensor-Core GPU, else fp32.
     mixed_precision, auto_reason = resolve_mixed_precision(args.mixed_precision)
     accelerator = Accelerator(
-        mixed_precision=mixed_precision,  # AMP: fp16/bf16/no; None: `accelerate launch` or its config decides
+        mixed_precision=mixed_precision,  # AMP: fp16/bf16/fp8/no; None: `accelerate launch` or its config decides
         kwargs_handlers=[  # AMP: fp16's loss scaling: accelerate creates the GradScaler with these settings
             GradScalerKwargs(
                 init_scale=args.fp16_init_scale,
                 growth_factor=args.fp16_growth_factor,
                 backoff_factor=args.fp16_backoff_factor,
                 growth_interval=args.fp16_growth_interval,
-            )
+            ),
+            # AMP: fp8 only: prepare() swaps Linear layers for torchao's/TE's fp8 ones, the rest runs in bf16.
+            *fp8_recipe_kwargs(mixed_precision, args.fp8_backend),  # refused where fp8 cannot run
         ],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # --torch_compile: one graph for every padded length, the repeated layer compiled once.
@@ -249,6 +260,8 @@ def main(argv=None):
     model, optimizer, train_dataloader, lr_scheduler, *eval_loaders = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders.values()
     )
+    precision.update(fp8_layer_report(accelerator, model, args.max_seq_length))  # AMP: fp8 layers, FLOP share
+    log_fp8_report(precision, logger)
     eval_dataloaders = dict(zip(eval_dataloaders, eval_loaders, strict=True))
     metric = load_metric("glue", task.metric_config)  # shipped with amp_recipes: works offline
 

@@ -1,10 +1,11 @@
-"""Paired precision benchmark: what fp16 / bf16 / tf32 buy over fp32 for one model and sequence length.
+"""Paired precision benchmark: what fp16 / bf16 / tf32 / fp8 buy over fp32 for one model and sequence length.
 
     python scripts/benchmark_precision.py --arms fp32,fp16
     accelerate launch scripts/benchmark_precision.py --arms fp32,tf32,fp16,bf16 --report_to wandb
     python scripts/benchmark_precision.py --arms fp32,bf16 --memory_budget_gb 6   # on a CPU
     python scripts/benchmark_precision.py --arms fp32,fp16,fp32+compile,fp16+compile --no_search
     python scripts/benchmark_precision.py --head qa --seq_len 384 --arms fp32,fp16,bf16   # SQuAD's shape
+    python scripts/benchmark_precision.py --arms fp32,bf16,fp8,bf16+compile,fp8+compile   # Ada/Hopper, torchao
 
 Each arm, and each trial of the batch-size search, runs in its own fresh process (accelerate's
 state is a per-process singleton, and peak memory must not carry over), with the same seed, the
@@ -31,6 +32,7 @@ ARMS = {  # arm -> (accelerate mixed_precision, TF32 matmuls allowed)
     "tf32": ("no", True),
     "fp16": ("fp16", False),
     "bf16": ("bf16", False),
+    "fp8": ("fp8", False),  # Linear layers in fp8 (--fp8_backend), the rest bf16: Ada/Hopper GPUs only
 }
 COMPILED = "+compile"
 HEADS = {  # --head -> (transformers auto class, labels of the synthetic batches)
@@ -50,8 +52,14 @@ def parse_args(argv=None):
     parser.add_argument(
         "--arms",
         default="fp32,tf32,fp16,bf16",
-        help="Comma-separated subset of fp32,tf32,fp16,bf16; add +compile to one (fp16+compile) for "
+        help="Comma-separated subset of fp32,tf32,fp16,bf16,fp8; add +compile to one (fp16+compile) for "
         "the same arm under torch.compile (compile time reported apart from step time).",
+    )
+    parser.add_argument(
+        "--fp8_backend",
+        choices=["ao", "te"],
+        default="ao",
+        help="fp8 arm: torchao (ao) or Transformer Engine.",
     )
     parser.add_argument("--torch_compile_backend", default="inductor", help="Backend of the +compile arms.")
     parser.add_argument(
@@ -225,7 +233,7 @@ def run_worker(spec_path: str) -> None:
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
     from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
     from amp_recipes.optim import make_optimizer
-    from amp_recipes.precision import describe_precision
+    from amp_recipes.precision import describe_precision, fp8_layer_report, fp8_recipe_kwargs
 
     mixed_precision, tf32 = ARMS[precision_of(arm)]
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -235,7 +243,11 @@ def run_worker(spec_path: str) -> None:
         torch_compile_backend=config["torch_compile_backend"],
         torch_compile_mode="default",
     )
-    accelerator = Accelerator(mixed_precision=mixed_precision, dynamo_plugin=dynamo_plugin(compile_flags))
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,
+        kwargs_handlers=fp8_recipe_kwargs(mixed_precision, config["fp8_backend"]),  # the recipes' fp8 recipe
+        dynamo_plugin=dynamo_plugin(compile_flags),
+    )
     compiled = CompileMonitor(compile_flags.torch_compile)
     device = accelerator.device
     budget = config["memory_budget_gb"] and int(config["memory_budget_gb"] * 2**30)
@@ -258,6 +270,8 @@ def run_worker(spec_path: str) -> None:
         "seq_len": config["seq_len"],
         "head": config["head"],
         **describe_precision(accelerator, mixed_precision),
+        # fp8: backend, its version, the Linear layers converted and their share of the FLOPs.
+        **fp8_layer_report(accelerator, model, config["seq_len"]),
         "tf32_matmul": tf32_matmul_enabled(),  # this arm's own setting, not the parent's
     }
     if precision_of(arm) == "tf32":
@@ -454,6 +468,9 @@ def compare(results: dict) -> None:
         if result["precision_in_effect"] != precision_of(arm):
             result["no_ratio_reason"] = f"requested {arm} but ran {result['precision_in_effect']}"
             continue
+        if result.get("fp8_emulated"):
+            result["no_ratio_reason"] = "fp8 was emulated (torchao emulate=True): no fp8 Tensor Core ran"
+            continue
         ratios = {
             "memory_drop_percent": 100.0 * (1 - result["peak_memory_bytes"] / base["peak_memory_bytes"]),
             "speedup": result["samples_per_second"] / base["samples_per_second"],
@@ -508,7 +525,24 @@ def markdown_table(results: dict) -> str:
             f"| {mfu_text} | {loss_text} | {compile_text} |"
         )
     notes = [f"- {arm}: {r['precision_note']}" for arm, r in results.items() if r.get("precision_note")]
+    notes += [f"- {arm}: {fp8_note(r)}" for arm, r in results.items() if "fp8_linear_layers" in r]
+    notes += [
+        f"- {arm}: no ratio, {r['no_ratio_reason']}" for arm, r in results.items() if r.get("no_ratio_reason")
+    ]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def fp8_note(result: dict) -> str:
+    share = result["fp8_flop_share"]
+    return (
+        f"{result['fp8_backend']} {result['fp8_backend_version']}{' (emulated)' if result['fp8_emulated'] else ''}, "
+        f"{result['fp8_linear_layers']} of {result['linear_layers']} Linear layers in fp8"
+        + (
+            f", {share:.1%} of the forward matmul FLOPs at {result['fp8_flop_share_seq_len']} tokens"
+            if share
+            else ""
+        )
+    )
 
 
 def plot(results: dict, path: Path) -> None:
@@ -528,7 +562,9 @@ def plot(results: dict, path: Path) -> None:
         bars = axis.bar(
             arms,
             values,
-            color=["#777777" if results[a]["precision_in_effect"] != a else "#ff9d00" for a in arms],
+            color=[
+                "#777777" if results[a]["precision_in_effect"] != precision_of(a) else "#ff9d00" for a in arms
+            ],
         )
         axis.bar_label(bars, fmt="%.3g")
         axis.set_title(title)
@@ -629,6 +665,13 @@ def main(argv=None) -> dict:
     work_dir = output_dir / "trials"
     work_dir.mkdir(parents=True, exist_ok=True)
     hardware = hardware_record()
+    if any(precision_of(arm) == "fp8" for arm in args.arms):  # refused before any arm runs
+        from amp_recipes.hardware import device_facts
+        from amp_recipes.precision import fp8_refusal
+
+        refusal = fp8_refusal(device_facts(), args.fp8_backend)
+        if refusal:
+            sys.exit(f"error: the fp8 arm: {refusal}")
     search_note = None
     if not args.no_search and hardware["device_type"] == "cpu" and not args.memory_budget_gb:
         search_note = "max batch size not measured: on a CPU the search needs --memory_budget_gb"

@@ -5,8 +5,10 @@
 # .whl/ (git-ignored) the wheels that scripts/gpu_check.sh needs on a GPU machine that has torch,
 # transformers, accelerate, pyarrow and pandas but no datasets/evaluate and no network (Python 3.12,
 # manylinux x86-64). Versions are those of requirements-lock.txt, the ones our tests pass on;
-# their dependencies the GPU image lacks come with them. Extra requirements, such as
-# `pyarrow==26.0.1` when the image's pyarrow is older than datasets needs, can be added.
+# their dependencies the GPU image lacks come with them; and torchao, for the fp8 step, at the
+# version the fp8 tests pass on (TORCHAO_VERSION; one wheel for every Python 3.10+, 3.4 MB). Extra
+# requirements, such as `pyarrow==26.0.1` when the image's pyarrow is older than datasets needs,
+# can be added.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pins=$(grep -E '^(datasets|evaluate|dill|multiprocess|xxhash)==' requirements-lock.txt)
@@ -14,5 +16,5 @@ pins=$(grep -E '^(datasets|evaluate|dill|multiprocess|xxhash)==' requirements-lo
 mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl $pins "$@"
+    -d .whl $pins "torchao==${TORCHAO_VERSION:-0.18.0}" "$@"
 ls -la .whl

@@ -34,8 +34,18 @@ import time
 from pathlib import Path
 
 REPO_SCRIPTS = Path(__file__).resolve().parent
-ARM_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}  # arm -> the recipe's --mixed_precision
-IN_EFFECT = {"fp32": ("fp32", "tf32"), "fp16": ("fp16",), "bf16": ("bf16",)}  # what counts as the arm
+ARM_PRECISION = {
+    "fp32": "no",
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "fp8": "fp8",
+}  # arm -> the recipe's --mixed_precision
+IN_EFFECT = {
+    "fp32": ("fp32", "tf32"),
+    "fp16": ("fp16",),
+    "bf16": ("bf16",),
+    "fp8": ("fp8",),
+}  # what counts as the arm
 # Flags the pairing sets on every run; passing them to the recipe would break the pairing.
 OWNED = [
     "mixed_precision",
@@ -64,7 +74,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--arms",
         default="auto",
-        help="Comma-separated precisions: fp32,fp16 or fp32,bf16 (fp32 first, the baseline); auto: "
+        help="Comma-separated precisions: fp32,fp16 or fp32,bf16 or fp32,bf16,fp8 (fp32 first, the baseline); auto: "
         "fp32 and what --mixed_precision auto picks on this machine.",
     )
     parser.add_argument(
@@ -157,7 +167,9 @@ def parse_arms(parser, text: str) -> list[str]:
     if unknown or not arms:
         parser.error(f"--arms: unknown {unknown or text!r}; choose from {', '.join(ARM_PRECISION)} or auto.")
     if arms[0] != "fp32" or len(arms) < 2 or len(set(arms)) != len(arms):
-        parser.error(f"--arms {text}: start with fp32 (the baseline) and add fp16 and/or bf16, once each.")
+        parser.error(
+            f"--arms {text}: start with fp32 (the baseline) and add fp16, bf16 and/or fp8, once each."
+        )
     return arms
 
 

@@ -202,6 +202,24 @@ class Fp16OnCpu(Accelerator):
         self.scaler = torch.amp.GradScaler("cpu", **{"init_scale": 2.0**14, "growth_interval": 3, **settings})
 
 
+FP8_EMULATION = REPO / "tests" / "fp8_emulation"  # on a subprocess's PYTHONPATH: fp8 emulated on CPU
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """torchao's fp8 path in this process on a CPU (see tests/fp8_emulation/sitecustomize.py)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        missing_tool("torchao (the [fp8] extra)")
+    load_module(FP8_EMULATION / "sitecustomize.py", "fp8_emulation").emulate_fp8(monkeypatch.setattr)
+
+
+def fp8_env() -> dict:
+    """Environment of a subprocess that runs fp8 emulated on this CPU."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(FP8_EMULATION), os.environ.get("PYTHONPATH")]))}
+
+
 # ----------------------------------------------------------------------------- exact resume
 def history(output_dir) -> list[dict]:
     return [row for row in log_history(output_dir) if "loss" in row]
@@ -224,18 +242,17 @@ def assert_same_training(a, b, keys=("loss", "learning_rate")):
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
-def stop_at(step):
-    """A PreemptionHandler for a recipe (monkeypatched in): a SIGTERM "arrives" before optimizer
-    step `step` (-1: never)."""
+def stop_at(stop_step):
+    """A PreemptionHandler for a recipe (monkeypatched in): a SIGTERM "arrives" during optimizer
+    step `stop_step` (-1: never); the recipe checkpoints that step and exits with 143."""
     from amp_recipes.checkpoint import PreemptionHandler
 
     class StopAt(PreemptionHandler):
         def __init__(self):
-            self.calls, self.signal_name = 0, "SIGTERM"
+            self.signal_name = "SIGTERM"
 
         def should_stop(self, accelerator, step):
-            self.calls += 1
-            return self.calls == step
+            return step == stop_step
 
         def restore(self):
             pass

@@ -552,7 +552,14 @@ def numeric_flag_cases():
         "flag:not-a-number", ALL, setting(learning_rate="fast"), r"argument --learning_rate: invalid float"
     )
     yield Case(
-        "flag:bad-choice", ALL, setting(mixed_precision="fp8"), r"--mixed_precision: invalid choice: 'fp8'"
+        "flag:bad-choice", ALL, setting(mixed_precision="fp4"), r"--mixed_precision: invalid choice: 'fp4'"
+    )
+    yield Case(  # this machine's real device facts: a CPU, refused before any Accelerator or lock exists
+        "flag:fp8-without-an-fp8-gpu",
+        ALL,
+        setting(mixed_precision="fp8"),
+        r"fp8 was asked on a cpu \(.*\), but fp8 training needs an NVIDIA GPU of compute capability 8\.9 "
+        r"or newer .*; use --mixed_precision (bf16|no) instead\.$",
     )
     yield Case(
         "flag:checkpointing_steps", ALL, setting(checkpointing_steps="often"), r"--checkpointing_steps must"

@@ -189,7 +189,7 @@ def test_bad_arm_is_refused(tmp_path):
     result = run([sys.executable, SCRIPT, "--arms", "fp32,int8,fp16+jit"], tmp_path)
     assert result.returncode == 2
     assert (
-        "unknown arm(s) ['int8', 'fp16+jit']; choose from fp32, tf32, fp16, bf16 (each may end in +compile)."
+        "unknown arm(s) ['int8', 'fp16+jit']; choose from fp32, tf32, fp16, bf16, fp8 (each may end in +compile)."
         in result.stderr
     )
 

@@ -123,7 +123,7 @@ def parse(*argv):
     [
         (["--arms", "bf16,fp32"], "start with fp32"),
         (["--arms", "fp32"], "start with fp32"),
-        (["--arms", "fp32,fp8"], "unknown ['fp8']"),
+        (["--arms", "fp32,fp4"], "unknown ['fp4']"),
         (["--seeds", "three"], "a count (3) or a comma-separated list"),
         (["--seeds", "0"], "at least 1"),
         (["--seeds", "1,1"], "distinct"),

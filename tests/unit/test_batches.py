@@ -103,3 +103,11 @@ def test_tokenisation_is_cached_by_datasets_and_never_stale(tmp_path, monkeypatc
     assert max(len(ids) for ids in shorter["input_ids"]) == 16 < max(len(ids) for ids in first["input_ids"])
     other = AutoTokenizer.from_pretrained(TINY_BERT, do_lower_case=False)  # another tokenizer definition
     assert tokenize(128, other).cache_files != first.cache_files
+
+
+def test_padding_multiple_of_each_precision():
+    from amp_recipes.data import pad_multiple
+
+    # 8 for fp16/bf16 Tensor Cores; 16 for fp8, torch._scaled_mm's requirement on every matmul
+    # dimension, batch x sequence included (the inner dimension of the weight gradient's).
+    assert [pad_multiple(p) for p in ("no", "fp16", "bf16", "fp8")] == [None, 8, 8, 16]

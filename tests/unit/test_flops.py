@@ -1,9 +1,15 @@
 """FLOPs and MFU arithmetic against values worked out by hand for BERT-base."""
 
 import pytest
-from transformers import AutoModelForSequenceClassification, BertConfig
+from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
-from amp_recipes.flops import device_peak_tflops, matmul_parameters, mfu, training_flops_per_step
+from amp_recipes.flops import (
+    device_peak_tflops,
+    forward_flops_by_module,
+    matmul_parameters,
+    mfu,
+    training_flops_per_step,
+)
 
 
 def test_bert_base_matmul_parameters():
@@ -50,3 +56,23 @@ def test_device_peaks(name, precision, expected):
 
 def test_mfu_is_omitted_without_a_known_peak():
     assert mfu(1e12, 0.01, None) is None
+
+
+def test_forward_flops_by_module_at_bert_base_seq_128():
+    """Counted on the meta device; every figure worked out by hand for one sequence of 128 tokens."""
+    counts = forward_flops_by_module(BertForSequenceClassification, BertConfig(num_labels=2), 128)
+    # A Linear on every token: 2 * 128 * in * out FLOPs.
+    assert counts["bert.encoder.layer.0.attention.self.query"] == 2 * 128 * 768 * 768
+    assert counts["bert.encoder.layer.11.intermediate.dense"] == 2 * 128 * 768 * 3072
+    # The pooler and the classifier see the [CLS] token only.
+    assert counts["bert.pooler.dense"] == 2 * 768 * 768
+    assert counts["classifier"] == 2 * 768 * 2
+    # Attention's own matmuls (scores QK^T and the weighted sum AV): 2 * 2 * 128^2 * 768 a layer.
+    linear_per_layer = 2 * 128 * (4 * 768 * 768 + 2 * 768 * 3072)
+    attention_per_layer = 2 * 2 * 128 * 128 * 768
+    assert counts["bert.encoder.layer.3"] == linear_per_layer + attention_per_layer
+    assert counts[""] == 12 * (linear_per_layer + attention_per_layer) + 2 * 768 * 768 + 2 * 768 * 2
+
+
+def test_no_peak_for_fp8_its_flops_run_at_two_rates():
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3", "fp8") is None

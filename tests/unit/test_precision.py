@@ -8,6 +8,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 
+from amp_recipes import precision
 from amp_recipes.data import InputError
 from amp_recipes.hardware import device_facts, hardware_record, tf32_matmul_enabled
 from amp_recipes.precision import (
@@ -16,9 +17,13 @@ from amp_recipes.precision import (
     describe_precision,
     effective_precision,
     format_preflight,
+    fp8_backend_choice,
+    fp8_recipe_kwargs,
+    fp8_refusal,
     precision_source,
     preflight,
     preflight_checks,
+    resolve_mixed_precision,
 )
 
 
@@ -243,3 +248,81 @@ def test_fp32_with_tf32_matmuls_on_an_ampere_gpu_is_reported_as_tf32(tf32_flags,
     tf32_flags.fp32_precision = "ieee"
     capability["major"] = 9
     assert effective_precision(CudaRun()) == "fp32"
+
+
+# ----------------------------------------------------------------------------- fp8
+A100 = {**H100, "device_name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}
+T4 = {**V100, "device_name": "Tesla T4", "compute_capability": "7.5"}
+L4 = {**H100, "device_name": "NVIDIA L4", "compute_capability": "8.9"}
+NEEDS = "but fp8 training needs an NVIDIA GPU of compute capability 8.9 or newer (Ada L4/L40S, Hopper H100/H200, Blackwell)"
+
+
+@pytest.mark.parametrize(
+    "facts, expected",
+    [
+        (
+            A100,
+            f"fp8 was asked on NVIDIA A100-SXM4-80GB (compute capability 8.0), {NEEDS}; use --mixed_precision bf16 instead.",
+        ),
+        (
+            T4,
+            f"fp8 was asked on Tesla T4 (compute capability 7.5), {NEEDS}; use --mixed_precision fp16 instead.",
+        ),
+        (CPU_BF16, f"fp8 was asked on a cpu (Xeon 8480), {NEEDS}; use --mixed_precision bf16 instead."),
+        (CPU_OLD, f"fp8 was asked on a cpu (Xeon E5), {NEEDS}; use --mixed_precision no instead."),
+    ],
+)
+def test_fp8_is_refused_below_compute_capability_8_9_in_one_sentence(facts, expected, monkeypatch):
+    monkeypatch.setattr(precision, "is_torchao_available", lambda: True)
+    assert fp8_refusal(facts, "ao") == expected
+    assert fp8_refusal(facts, "te") == expected  # the device first, whichever backend
+
+
+def test_fp8_runs_from_compute_capability_8_9_with_its_backend_installed(monkeypatch):
+    monkeypatch.setattr(precision, "is_torchao_available", lambda: True)
+    monkeypatch.setattr(precision, "is_transformer_engine_available", lambda: True)
+    for facts in (L4, H100, {**H100, "device_name": "NVIDIA B200", "compute_capability": "10.0"}):
+        assert fp8_refusal(facts, "ao") is None and fp8_refusal(facts, "te") is None
+
+
+def test_fp8_without_its_backend_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(precision, "is_torchao_available", lambda: False)
+    monkeypatch.setattr(precision, "is_transformer_engine_available", lambda: False)
+    assert fp8_refusal(H100, "ao") == (
+        "fp8 with --fp8_backend ao needs torchao, which is not installed: `pip install -e .[fp8]` "
+        "(or use --mixed_precision bf16 on this NVIDIA H100)."
+    )
+    assert fp8_refusal(L4, "te") == (
+        "fp8 with --fp8_backend te needs transformer_engine, which is not installed: "
+        "`pip install transformer-engine[pytorch]` (or use --mixed_precision bf16 on this NVIDIA L4)."
+    )
+
+
+@pytest.mark.parametrize("facts", [H100, L4])
+def test_auto_never_picks_fp8(facts, monkeypatch):
+    monkeypatch.setattr(precision, "device_facts", lambda device=None: facts)
+    assert resolve_mixed_precision("auto")[0] == "bf16"
+
+
+def test_fp8_backend_comes_from_the_flag_then_accelerate_launch_then_torchao(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_FP8_BACKEND", raising=False)
+    assert fp8_backend_choice(None) == "ao"
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "te")  # accelerate launch --fp8_backend te
+    assert fp8_backend_choice(None) == "te" and fp8_backend_choice("ao") == "ao"
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "msamp")
+    with pytest.raises(InputError, match="fp8 backend 'msamp' .* use --fp8_backend ao .* or te"):
+        fp8_backend_choice(None)
+
+
+def test_fp8_recipe_kwargs_refuse_before_any_accelerator_and_stay_empty_otherwise(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    monkeypatch.setattr(precision, "device_facts", lambda device=None: A100)
+    assert fp8_recipe_kwargs(None, None) == [] and fp8_recipe_kwargs("bf16", "te") == []
+    with pytest.raises(
+        InputError, match=r"^fp8 was asked on NVIDIA A100-SXM4-80GB \(compute capability 8\.0\)"
+    ):
+        fp8_recipe_kwargs("fp8", None)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")  # accelerate launch --mixed_precision fp8
+    with pytest.raises(InputError, match="use --mixed_precision bf16 instead"):
+        fp8_recipe_kwargs(None, None)
+    assert fp8_recipe_kwargs("bf16", None) == []  # the flag wins over the launcher

@@ -117,9 +117,12 @@ PRECISION_CALLS = [
     "resolve_mixed_precision(args.mixed_precision)",  # --mixed_precision auto, resolved in sight
     "mixed_precision=mixed_precision",
     "kwargs_handlers=[",  # GradScalerKwargs
+    "*fp8_recipe_kwargs(mixed_precision, args.fp8_backend),",  # torchao / Transformer Engine
     "precision = preflight(",
     "check_model_dtype(",
     "accelerator.prepare(",  # autocast and the GradScaler come from here
+    "precision.update(fp8_layer_report(",  # the Linear layers prepare() made fp8
+    "torch.no_grad():",  # evaluation: not inference_mode, where fp8 layers fail
     "loss = model(**batch).loss",
     "accelerator.backward(loss)",
     "accelerator.clip_grad_norm_(",
@@ -166,7 +169,7 @@ def test_main_reads_in_five_minutes():
     for recipe in ("bert_glue", "bert_mlm", "bert_ner", "bert_qa"):
         text = (RECIPES / f"{recipe}.py").read_text()
         main = text[text.index("def main(") : text.index('if __name__ == "__main__":')]
-        assert len(main.splitlines()) <= 235, recipe  # the target was 200: see recipes/README.md
+        assert len(main.splitlines()) <= 240, recipe  # the target was 200: see recipes/README.md
 
 
 def test_recipes_open_with_their_command():
