@@ -361,11 +361,18 @@ def compare(args, runs: list[dict]) -> dict:
     for arm in args.arms:
         mine = {seed: r for (a, seed), r in results.items() if a == arm}
         in_effect = sorted({r.get("precision_in_effect", "?") for r in mine.values()})
+        # torchao's emulated fp8 (fp8 rounding, matmuls in high precision): its scores are fp8's,
+        # its time and memory are not, so those are left out.
+        emulated = any(r.get("fp8_emulated") for r in mine.values())
         arms[arm] = {
             "precision_in_effect": in_effect,
+            "fp8_emulated": emulated,
             "seeds": sorted(mine),
             **{name: mean_sd([mine[s][name] for s in sorted(mine) if name in mine[s]]) for name in names},
-            **{key: mean_sd([mine[s][key] for s in sorted(mine) if key in mine[s]]) for key in FIGURES},
+            **{
+                key: mean_sd([] if emulated else [mine[s][key] for s in sorted(mine) if key in mine[s]])
+                for key in FIGURES
+            },
         }
     initial = {}  # seed -> {arm: sha256}
     for (arm, seed), r in results.items():
@@ -399,6 +406,11 @@ def compare(args, runs: list[dict]) -> dict:
             ),
             "metrics": {},
         }
+        if arms[arm]["fp8_emulated"]:
+            versus[arm].update(speedup=mean_sd([]), memory_drop_percent=mean_sd([]))
+            versus[arm]["speed_note"] = (
+                "fp8 was emulated (fp8 rounding, matmuls in high precision): no speed or memory ratio"
+            )
         for name in names:
             paired = [s for s in seeds if name in arm_r[s] and name in base[s]]
             interval = paired_interval([arm_r[s][name] - base[s][name] for s in paired])
@@ -450,7 +462,8 @@ def markdown(comparison: dict, headroom: dict | None) -> str:
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for arm in arms:
         a = comparison["per_arm"][arm]
-        cells = [arm, ", ".join(a["precision_in_effect"]) or "—", str(len(a["seeds"]))]
+        in_effect = ", ".join(a["precision_in_effect"]) or "—"
+        cells = [arm, in_effect + (" (emulated)" if a.get("fp8_emulated") else ""), str(len(a["seeds"]))]
         cells += [fmt(a[name]) for name in names]
         cells += [fmt(a[key], scale) for key, (_, scale) in FIGURES.items()]
         if headroom:
@@ -463,9 +476,11 @@ def markdown(comparison: dict, headroom: dict | None) -> str:
         if "no_ratio_reason" in v:
             lines += [f"**{arm} vs fp32**: {v['no_ratio_reason']}.", ""]
             continue
+        speed = v.get("speed_note") or (
+            f"speedup {fmt(v['speedup'], digits=3)}x, peak-memory drop {fmt(v['memory_drop_percent'], digits=3)}%"
+        )
         lines += [
-            f"**{arm} vs fp32** (paired by seed, {len(v['seeds'])} seed(s)): speedup "
-            f"{fmt(v['speedup'], digits=3)}x, peak-memory drop {fmt(v['memory_drop_percent'], digits=3)}%"
+            f"**{arm} vs fp32** (paired by seed, {len(v['seeds'])} seed(s)): {speed}"
             + (
                 f", batch headroom {headroom['headroom'][arm]:.2f}x"
                 if headroom and headroom["headroom"].get(arm)

@@ -98,6 +98,35 @@ def test_aggregates_are_the_runs_own_figures_and_fp16_on_cpu_gets_no_verdict(tmp
     assert (tmp_path / "comparison.png").stat().st_size > 10_000
 
 
+def test_an_emulated_fp8_arm_gets_a_verdict_but_no_speed_or_memory(tmp_path):
+    """torchao's emulation rounds to fp8 as the GPU would, in fp32 matmuls: its scores say what fp8
+    numerics do to accuracy; its time and memory say nothing about fp8 hardware."""
+    runs = []
+    for seed, (f1_fp32, f1_fp8) in {1: (0.80, 0.79), 2: (0.82, 0.808), 3: (0.84, 0.829)}.items():
+        for arm, f1, speed in (("fp32", f1_fp32, 10.0), ("fp8", f1_fp8, 2.0)):
+            folder = tmp_path / f"{arm}-seed{seed}"
+            write_run(
+                folder, **figures(f1, speed, 4e9, arm if arm == "fp8" else "fp32"), fp8_emulated=arm == "fp8"
+            )
+            runs.append({"arm": arm, "seed": seed, "run_dir": str(folder), "status": "finished"})
+    comparison = paired.compare(fake_args(["fp32", "fp8"], [1, 2, 3]), runs)
+    fp8 = comparison["per_arm"]["fp8"]
+    assert fp8["fp8_emulated"] and fp8["train_samples_per_second"]["n"] == fp8["peak_memory_bytes"]["n"] == 0
+    versus = comparison["vs_fp32"]["fp8"]
+    assert versus["speedup"]["n"] == versus["memory_drop_percent"]["n"] == 0
+    f1 = versus["metrics"]["eval_f1"]
+    assert f1["values"] == pytest.approx([-0.01, -0.012, -0.011])
+    assert f1["verdict"] == "fp8 lower by 0.011 ± 0.002484"  # t(0.975, 2) = 4.303 x sd 0.001 / sqrt(3)
+    text = paired.markdown(comparison, None)
+    [row] = [line for line in text.splitlines() if line.startswith("| fp8 |")]
+    assert row.startswith("| fp8 | fp8 (emulated) | 3 | 0.809 ± ") and row.endswith("| — | — | — |")
+    assert (
+        "**fp8 vs fp32** (paired by seed, 3 seed(s)): fp8 was emulated (fp8 rounding, matmuls in high precision): no speed or memory ratio."
+        in text
+    )
+    paired.plot(comparison, tmp_path / "comparison.png")
+
+
 def test_a_seed_whose_arms_started_from_different_weights_is_left_out(tmp_path):
     runs = []
     for seed in (1, 2):
