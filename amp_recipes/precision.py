@@ -247,6 +247,18 @@ def fp8_layer_report(accelerator: Accelerator, model: torch.nn.Module, seq_len: 
     return report
 
 
+def describe_fp8_layers(report: dict) -> str:
+    """The layer report in words, for the log and the benchmark's table: "ao 0.18.0: 72 of 74
+    Linear layers in fp8, 96.6% of the forward matmul FLOPs at 128 tokens"."""
+    share = report["fp8_flop_share"]
+    flops = "FLOP share not computed" if share is None else f"{share:.1%} of the forward matmul FLOPs"
+    return (
+        f"{report['fp8_backend']} {report['fp8_backend_version']}{' (emulated)' if report['fp8_emulated'] else ''}: "
+        f"{report['fp8_linear_layers']} of {report['linear_layers']} Linear layers in fp8, {flops} at "
+        f"{report['fp8_flop_share_seq_len']} tokens"
+    )
+
+
 def log_fp8_report(report: dict, logger) -> None:
     """One line: the fp8 layers and their FLOP share; a warning when prepare() converted none."""
     if "fp8_linear_layers" not in report:
@@ -259,15 +271,7 @@ def log_fp8_report(report: dict, logger) -> None:
         )
         return
     kept = ", ".join(report["high_precision_linear_layers"]) or "none"
-    share = report["fp8_flop_share"]
-    flops = "FLOP share not computed" if share is None else f"{share:.1%} of the forward matmul FLOPs"
-    logger.info(
-        f"fp8 ({report['fp8_backend']} {report['fp8_backend_version']}"
-        f"{', emulated' if report['fp8_emulated'] else ''}): {report['fp8_linear_layers']} of "
-        f"{report['linear_layers']} Linear layers, {flops} at {report['fp8_flop_share_seq_len']} tokens; "
-        f"kept in bf16: {kept}",
-        main_process_only=True,
-    )
+    logger.info(f"fp8 with {describe_fp8_layers(report)}; kept in bf16: {kept}", main_process_only=True)
 
 
 def check_launch(accelerator) -> None:

@@ -485,6 +485,8 @@ def compare(results: dict) -> None:
 
 
 def markdown_table(results: dict) -> str:
+    from amp_recipes.precision import describe_fp8_layers
+
     def gib(value):
         return f"{value / 2**30:.2f}" if value else "—"
 
@@ -525,24 +527,11 @@ def markdown_table(results: dict) -> str:
             f"| {mfu_text} | {loss_text} | {compile_text} |"
         )
     notes = [f"- {arm}: {r['precision_note']}" for arm, r in results.items() if r.get("precision_note")]
-    notes += [f"- {arm}: {fp8_note(r)}" for arm, r in results.items() if "fp8_linear_layers" in r]
+    notes += [f"- {arm}: {describe_fp8_layers(r)}" for arm, r in results.items() if "fp8_linear_layers" in r]
     notes += [
         f"- {arm}: no ratio, {r['no_ratio_reason']}" for arm, r in results.items() if r.get("no_ratio_reason")
     ]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
-
-
-def fp8_note(result: dict) -> str:
-    share = result["fp8_flop_share"]
-    return (
-        f"{result['fp8_backend']} {result['fp8_backend_version']}{' (emulated)' if result['fp8_emulated'] else ''}, "
-        f"{result['fp8_linear_layers']} of {result['linear_layers']} Linear layers in fp8"
-        + (
-            f", {share:.1%} of the forward matmul FLOPs at {result['fp8_flop_share_seq_len']} tokens"
-            if share
-            else ""
-        )
-    )
 
 
 def plot(results: dict, path: Path) -> None:

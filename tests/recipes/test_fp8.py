@@ -47,11 +47,16 @@ KEPT += [f"bert.encoder.layer.{i}.{name}.dense" for i in range(5) for name in ("
 KEPT = sorted([*KEPT, "classifier"])
 
 
-def prepared_tiny_bert(mixed_precision):
+def fresh_accelerator(mixed_precision="fp8"):
+    """A new Accelerator with the recipes' fp8 recipe handler (none for other precisions)."""
     reset_accelerate()
-    accelerator = Accelerator(
+    return Accelerator(
         mixed_precision=mixed_precision, kwargs_handlers=fp8_recipe_kwargs(mixed_precision, None)
     )
+
+
+def prepared_tiny_bert(mixed_precision):
+    accelerator = fresh_accelerator(mixed_precision)
     model = AutoModelForSequenceClassification.from_pretrained(TINY_BERT, dtype=torch.float32)
     return accelerator, accelerator.prepare(model)
 
@@ -91,8 +96,7 @@ def test_fp8_layers_round_to_fp8_inside_bf16_autocast(fp8_on_cpu):
 
 
 def test_a_model_without_a_convertible_layer_is_reported_as_bf16(fp8_on_cpu, caplog):
-    reset_accelerate()
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=fp8_recipe_kwargs("fp8", None))
+    accelerator = fresh_accelerator()
 
     class Odd(torch.nn.Module):  # sizes that are not multiples of 16: nothing can run in fp8
         def __init__(self, config):
@@ -116,15 +120,16 @@ def test_a_model_without_a_convertible_layer_is_reported_as_bf16(fp8_on_cpu, cap
 
 def test_a_model_of_your_own_gets_the_layer_count_without_a_flop_share(fp8_on_cpu, caplog):
     """No transformers config to build a meta-device copy from: counted, not guessed."""
-    reset_accelerate()
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=fp8_recipe_kwargs("fp8", None))
+    accelerator = fresh_accelerator()
     model = accelerator.prepare(torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(3))))
     report = fp8_layer_report(accelerator, model, 16)
     assert (report["fp8_linear_layers"], report["high_precision_linear_layers"]) == (1, ["0", "2"])
     assert report["fp8_flop_share"] is None
     with caplog.at_level(logging.INFO):
         log_fp8_report(report, get_logger("test"))
-    assert "1 of 3 Linear layers, FLOP share not computed at 16 tokens; kept in bf16: 0, 2" in caplog.text
+    assert (
+        "1 of 3 Linear layers in fp8, FLOP share not computed at 16 tokens; kept in bf16: 0, 2" in caplog.text
+    )
 
 
 def test_the_recipe_trains_evaluates_and_saves_a_plain_model(recipe, fp8_on_cpu, tmp_path, caplog):
@@ -142,7 +147,7 @@ def test_the_recipe_trains_evaluates_and_saves_a_plain_model(recipe, fp8_on_cpu,
         "fp8_linear_layers": 20,
         "linear_layers": 32,
     }
-    line = f"fp8 (ao {version('torchao')}, emulated): 20 of 32 Linear layers, "
+    line = f"fp8 with ao {version('torchao')} (emulated): 20 of 32 Linear layers in fp8, "
     assert line in caplog.text and "of the forward matmul FLOPs at 128 tokens" in caplog.text
     # The saved model is a plain BERT: the same tensors as the model it started from, nothing fp8.
     reloaded = AutoModelForSequenceClassification.from_pretrained(out)
@@ -233,7 +238,7 @@ def test_benchmark_fp8_arm_records_its_backend_and_gives_no_ratio_when_emulated(
     assert (fp8["fp8_linear_layers"], fp8["linear_layers"]) == (20, 32)
     assert fp8["ratios_vs_fp32"] is None and "emulated" in fp8["no_ratio_reason"]
     table = (tmp_path / "out" / "results.md").read_text()
-    assert f"- fp8: ao {version('torchao')} (emulated), 20 of 32 Linear layers in fp8" in table
+    assert f"- fp8: ao {version('torchao')} (emulated): 20 of 32 Linear layers in fp8, " in table
     assert "- fp8: no ratio, fp8 was emulated" in table
 
 
