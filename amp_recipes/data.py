@@ -647,25 +647,35 @@ def make_collator(tokenizer, mixed_precision: str):
 
 
 class SeededMaskCollator(DataCollatorForLanguageModeling):
-    """transformers' masked-LM collator (BERT-style masks) whose masks are drawn from a generator
-    seeded by the run's seed and the batch's own tokens.
+    """transformers' masked-LM collator (BERT-style masks) whose masks are drawn, block by block,
+    from a generator seeded by the run's seed and the block's own tokens.
 
     The stock collator draws from the global RNG (or one generator stream), and accelerate's
     DataLoader builds each batch one step ahead, so a checkpoint's RNG state already holds the next
     batch's masks: a resumed run would mask differently, and its dropout would shift too. Keyed on
-    the tokens, a batch gets the same masks wherever and whenever it is built (one batch ahead, in a
-    worker, after a resume, in each evaluation), and the global RNG stays the training's alone."""
+    each block's tokens (padding left out), a block gets the same masks wherever and whenever it is
+    built (one batch ahead, in a worker, after a resume, in each evaluation) and whatever batch it
+    is in: with two processes the last evaluation batch is filled up with repeated blocks, and the
+    held-out loss must still score the same masked tokens as one process does. The global RNG
+    stays the training's alone."""
 
     def __init__(self, tokenizer, mlm_probability: float, pad_to_multiple_of: int | None, seed: int):
         super().__init__(tokenizer, mlm_probability=mlm_probability, pad_to_multiple_of=pad_to_multiple_of)
         self.mask_seed = seed
 
-    def torch_call(self, examples):
-        digest = hashlib.blake2b(str(self.mask_seed).encode(), digest_size=8)
-        for example in examples:
-            digest.update(torch.as_tensor(example["input_ids"], dtype=torch.int64).numpy().tobytes())
-        self.generator = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
-        return super().torch_call(examples)
+    def torch_mask_tokens(self, inputs, special_tokens_mask=None, offset_mapping=None):
+        labels = torch.full_like(inputs, -100)
+        for row, tokens in enumerate(inputs):
+            length = len(tokens)  # without the padding at the end
+            while length and tokens[length - 1] == self.tokenizer.pad_token_id:
+                length -= 1
+            digest = hashlib.blake2b(str(self.mask_seed).encode(), digest_size=8)
+            digest.update(tokens[:length].to(torch.int64).numpy().tobytes())
+            self.generator = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
+            special = None if special_tokens_mask is None else special_tokens_mask[row : row + 1, :length]
+            masked, row_labels = super().torch_mask_tokens(tokens[None, :length].clone(), special)
+            inputs[row, :length], labels[row, :length] = masked[0], row_labels[0]
+        return inputs, labels
 
 
 def loader_settings(accelerator, collator, num_workers: int | None) -> dict:

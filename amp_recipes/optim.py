@@ -8,6 +8,8 @@ from typing import NamedTuple
 import torch
 from accelerate.utils import DistributedType
 
+from .errors import InputError
+
 FUSED_ADAMW_DEVICES = ("cuda", "cpu", "mps", "xpu")  # torch has a fused AdamW kernel for these
 
 
@@ -63,3 +65,28 @@ def training_schedule(train_batches: int, accelerator, args) -> Schedule:
     return Schedule(
         steps_per_epoch, max_train_steps, math.ceil(max_train_steps / steps_per_epoch), scheduler_steps
     )
+
+
+def check_every_parameter_trains(accelerator, model: torch.nn.Module, optimizer) -> None:
+    """After prepare(): refuse to train when a parameter that requires grad is not in the optimizer.
+
+    prepare() may replace parameters (an fp8 conversion, a sharding engine) and must hand the
+    optimizer the new ones; if it ever does not, those weights would silently never train while
+    their gradients still count in the clipping norm. Checked by identity against the prepared
+    model's own parameters. Not under DeepSpeed: its engine builds the optimizer's (flattened,
+    partitioned) parameter groups from the model itself, so they are never the model's tensors."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return
+    in_optimizer = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+    untrained = [
+        name
+        for name, parameter in model.named_parameters()
+        if parameter.requires_grad and id(parameter) not in in_optimizer
+    ]
+    if untrained:
+        raise InputError(
+            f"{len(untrained)} trainable parameters are not in the optimizer after prepare() (e.g. "
+            f"{untrained[0]}; mixed precision {accelerator.mixed_precision}, distributed type "
+            f"{accelerator.distributed_type.value}): they would never train. Build the optimizer after "
+            "any change to the model's parameters."
+        )

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
 
 from .errors import WRITE_ERRORS, CheckpointError, InputError, write_failure
 from .records import fsync_dir, fsync_tree
@@ -214,6 +215,21 @@ class OutputDir:
                 self.path.rmdir()  # only when empty
             except OSError:
                 pass
+
+
+def plain_state_dict(accelerator, model) -> dict:
+    """The trained weights for `save_pretrained(state_dict=...)`, under the plain model's names.
+
+    accelerate's get_state_dict unwraps with keep_torch_compile=True: after --torch_compile
+    (regional compilation, which builds a compiled copy of the model) the names hold `_orig_mod.`,
+    and under DDP + compile also `module.`. from_pretrained does not recognise such names: it would
+    load freshly initialised weights, with a warning, not an error. So: the plain model's own state
+    dict where every process holds the whole model; under FSDP / ZeRO-3 accelerate's gathered one
+    (FSDP2 and DeepSpeed compile in place; FSDP1 compiles a copy, whose `_orig_mod.` is dropped)."""
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        state_dict = accelerator.get_state_dict(model)  # gathered from every process
+        return {name.replace("_orig_mod.", ""): tensor for name, tensor in state_dict.items()}
+    return accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
 
 
 def claim_output_dir(accelerator, args) -> OutputDir:

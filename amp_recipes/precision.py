@@ -21,6 +21,7 @@ from accelerate.utils import (
     TERecipeKwargs,
     is_torchao_available,
     is_transformer_engine_available,
+    parse_flag_from_env,
 )
 
 from .errors import InputError
@@ -154,13 +155,27 @@ def fp8_refusal(facts: dict, backend: str) -> str | None:
     return None
 
 
-def fp8_linear_config():
+def fsdp2_launch() -> bool:
+    """Whether this process was launched for FSDP2 (`accelerate launch` with fsdp_version 2), read
+    before any Accelerator exists from the variables accelerate launch sets, as accelerate does."""
+    return parse_flag_from_env("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") == "2"
+
+
+def fp8_linear_config(fsdp2: bool = False):
     """torchao's Float8Linear settings: dynamic tensorwise scaling (torchao's default recipe);
     inner dimensions padded to multiples of 16 (torch._scaled_mm needs them; the weight-gradient
-    matmul's inner dimension is batch x sequence), fp8 all-gathers under FSDP2: accelerate's defaults."""
+    matmul's inner dimension is batch x sequence).
+
+    fp8 all-gathers (`enable_fsdp_float8_all_gather`) only under FSDP2, the one engine they serve:
+    with them, torchao replaces every converted weight by a new Parameter (a float8-aware wrapper,
+    Float8Linear.from_float), and accelerate converts the model in prepare() without telling the
+    optimizer, which the recipes build before prepare() (accelerate's nlp example does too). Only
+    FSDP2's prepare() remaps the optimizer to the new parameters (by data pointer); anywhere else
+    those weights would never train, and save_pretrained/save_state fail on the wrapper.
+    Without the flag, Float8Linear keeps the nn.Linear's own Parameter objects."""
     from torchao.float8 import Float8LinearConfig
 
-    return Float8LinearConfig(pad_inner_dim=True, enable_fsdp_float8_all_gather=True)
+    return Float8LinearConfig(pad_inner_dim=True, enable_fsdp_float8_all_gather=fsdp2)
 
 
 def fp8_recipe_kwargs(mixed_precision: str | None, fp8_backend: str | None) -> list:
@@ -180,7 +195,7 @@ def fp8_recipe_kwargs(mixed_precision: str | None, fp8_backend: str | None) -> l
         return [TERecipeKwargs()]
     # torchao: accelerate swaps nn.Linear for Float8Linear in prepare(), except the first and last
     # Linear layers and any whose sizes are not multiples of 16 (accelerate's default filter).
-    return [AORecipeKwargs(config=fp8_linear_config())]
+    return [AORecipeKwargs(config=fp8_linear_config(fsdp2_launch()))]
 
 
 def is_fp8_linear(module: torch.nn.Module) -> bool:
@@ -219,7 +234,7 @@ def fp8_layer_report(accelerator: Accelerator, model: torch.nn.Module, seq_len: 
     score and weighted-sum matmuls included, which run in bf16). Empty unless fp8 is on."""
     if not getattr(accelerator, "fp8_enabled", False):
         return {}
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     fp8, high = [], []
     for name, module in unwrapped.named_modules():
         for part in _WRAPPER_PARTS:

@@ -101,9 +101,15 @@ def locate_nonfinite(accelerator, model, batch, loss_scale: float | None) -> str
     """Replay one batch with every module watched and say where it first became non-finite.
 
     Used after a skipped fp16 step: costs one extra forward/backward, only on skipped steps.
-    The gradients it leaves behind are discarded (the step was skipped anyway)."""
-    with NonFiniteLocator(accelerator.unwrap_model(model)) as locator, accelerator.no_sync(model):
-        loss = model(**batch).loss
+    The gradients it leaves behind are discarded (the step was skipped anyway).
+
+    Under torch.compile the batch is replayed on the eager model (accelerate keeps it beside the
+    compiled regions, with the same parameters and autocast): module hooks do not fire inside a
+    compiled region (dynamo skips hook guards), so the compiled model would name no module."""
+    eager = accelerator.unwrap_model(model, keep_torch_compile=False)
+    replayed = eager if eager is not accelerator.unwrap_model(model) else model
+    with NonFiniteLocator(eager) as locator, accelerator.no_sync(model):
+        loss = replayed(**batch).loss
         (loss * (loss_scale or 1.0)).backward()
     model.zero_grad(set_to_none=True)
     where = locator.first()
@@ -134,7 +140,11 @@ class StepTelemetry:
         # forces it (the GradScaler reads found_inf to decide whether to step); a fused one does not
         # (it skips inside the kernel), so with fused AdamW this read is an extra sync per step.
         self.loss_scale = self.scaler.get_scale() if self.scaler is not None else None
-        self.locator = NonFiniteLocator(accelerator.unwrap_model(model)) if diagnose_every_step else None
+        self.locator = (
+            NonFiniteLocator(accelerator.unwrap_model(model, keep_torch_compile=False))
+            if diagnose_every_step
+            else None
+        )
         device = accelerator.device
         self._loss_sum = torch.zeros((), device=device)
         self._finite_batches = torch.zeros((), device=device, dtype=torch.long)

@@ -37,8 +37,8 @@ from amp_recipes.data import (
 )
 from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
-from amp_recipes.optim import make_optimizer, training_schedule
-from amp_recipes.outputs import claim_output_dir
+from amp_recipes.optim import check_every_parameter_trains, make_optimizer, training_schedule
+from amp_recipes.outputs import claim_output_dir, plain_state_dict
 from amp_recipes.precision import (
     check_model_dtype,
     fp8_layer_report,
@@ -145,22 +145,26 @@ def evaluate(model, dataloader, accelerator):
     """Masked-LM loss (mean over masked tokens) and perplexity on the held-out blocks. Their masks
     come from the seed and the blocks' tokens, so every evaluation scores the same masked tokens."""
     model.eval()
-    loss_sum = torch.zeros((), device=accelerator.device)
-    masked = torch.zeros((), device=accelerator.device)
+    loss_sum, masked = 0.0, 0
     # fork_rng: iterating a DataLoader draws from the global RNG, and evaluating must not change
     # the dropout and shuffling that training sees next (same run, whatever --eval_steps is).
     cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     # AMP: no_grad, not inference_mode: torchao's fp8 Linear layers fail under it (pytorch/ao#643).
     with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
         for batch in dataloader:
-            loss = model(**batch).loss.float()
-            count = (batch["labels"] != -100).sum()
-            loss_sum += loss * count
-            masked += count
-    loss_sum, masked = accelerator.reduce(torch.stack([loss_sum, masked]), reduction="sum").tolist()
+            logits = model(**batch).logits.float()  # AMP: the loss in fp32, whatever autocast returned
+            labels = batch["labels"]
+            token_losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+            # Per block, so that gather_for_metrics can drop the blocks the last batch repeats to
+            # give every process a full batch (a plain sum over processes would count them twice).
+            block_sums, block_counts = accelerator.gather_for_metrics(
+                (token_losses.sum(dim=1), (labels != -100).sum(dim=1))
+            )
+            loss_sum += block_sums.sum().item()
+            masked += int(block_counts.sum())
     model.train()
     loss = loss_sum / max(masked, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "masked_tokens": int(masked)}
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "masked_tokens": masked}
 
 
 def main(argv=None):
@@ -227,6 +231,8 @@ def main(argv=None):
         model, optimizer, train_dataloader, lr_scheduler, eval_dataloader
     )
     precision.update(fp8_layer_report(accelerator, model, args.max_seq_length))  # AMP: fp8 layers, FLOP share
+    check_every_parameter_trains(accelerator, model, optimizer)  # AMP: fp8 swapped layers: none untrained
+    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
     log_fp8_report(precision, logger)
 
     # ------------------------------------------------------------------------- resume
@@ -241,14 +247,14 @@ def main(argv=None):
     telemetry.load_state_dict(resumed.get("telemetry", {}))
     # AMP: each module's max |activation| / 65504; off under --torch_compile (its hooks would recompile).
     monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
-    activations = ActivationMonitor(accelerator.unwrap_model(model), monitor_interval)
+    activations = ActivationMonitor(plain_model, monitor_interval)
     compiled = CompileMonitor(args.torch_compile)  # graphs compiled; whether dynamo gave up recompiling
     run_facts = {  # for the trackers' config and eval_results.json
         **precision,
         "model_type": config.model_type,
         "distributed_type": accelerator.distributed_type.value,
         "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
-        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,  # SDPA: fused
+        "attn_implementation": plain_model.config._attn_implementation,  # SDPA: fused
         "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
         "initial_weights_sha256": initial_weights,
     }
@@ -380,12 +386,11 @@ def main(argv=None):
         **compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
     }
     with output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
-        # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
-        accelerator.unwrap_model(model).save_pretrained(
+        plain_model.save_pretrained(  # AMP: the fp32 master weights, gathered under FSDP / ZeRO-3
             folder,
             is_main_process=accelerator.is_main_process,
             save_function=accelerator.save,
-            state_dict=accelerator.get_state_dict(model),
+            state_dict=plain_state_dict(accelerator, model),  # plain names, even after torch.compile
         )
         if accelerator.is_main_process:
             tokenizer.save_pretrained(folder)

@@ -39,8 +39,8 @@ from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.metrics import load_metric
 from amp_recipes.ner import HUB_DATASET, HUB_REVISION, load_files, load_hub, tokenize_and_align, word_tags
-from amp_recipes.optim import make_optimizer, training_schedule
-from amp_recipes.outputs import claim_output_dir
+from amp_recipes.optim import check_every_parameter_trains, make_optimizer, training_schedule
+from amp_recipes.outputs import claim_output_dir, plain_state_dict
 from amp_recipes.precision import (
     check_model_dtype,
     fp8_layer_report,
@@ -289,6 +289,8 @@ def main(argv=None):
         model, optimizer, train_dataloader, lr_scheduler, eval_dataloader
     )
     precision.update(fp8_layer_report(accelerator, model, args.max_seq_length))  # AMP: fp8 layers, FLOP share
+    check_every_parameter_trains(accelerator, model, optimizer)  # AMP: fp8 swapped layers: none untrained
+    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
     log_fp8_report(precision, logger)
     metric = load_metric("seqeval")  # shipped with amp_recipes: works offline
 
@@ -308,7 +310,7 @@ def main(argv=None):
     telemetry.load_state_dict(resumed.get("telemetry", {}))
     # AMP: each module's max |activation| / 65504; off under --torch_compile (its hooks would recompile).
     monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
-    activations = ActivationMonitor(accelerator.unwrap_model(model), monitor_interval)
+    activations = ActivationMonitor(plain_model, monitor_interval)
     compiled = CompileMonitor(args.torch_compile)  # graphs compiled; whether dynamo gave up recompiling
     run_facts = {  # for the trackers' config and eval_results.json
         **precision,
@@ -317,7 +319,7 @@ def main(argv=None):
         "model_type": config.model_type,
         "distributed_type": accelerator.distributed_type.value,
         "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
-        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,  # SDPA: fused
+        "attn_implementation": plain_model.config._attn_implementation,  # SDPA: fused
         "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
         "initial_weights_sha256": initial_weights,
     }
@@ -449,12 +451,11 @@ def main(argv=None):
         **compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
     }
     with output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
-        # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
-        accelerator.unwrap_model(model).save_pretrained(
+        plain_model.save_pretrained(  # AMP: the fp32 master weights, gathered under FSDP / ZeRO-3
             folder,
             is_main_process=accelerator.is_main_process,
             save_function=accelerator.save,
-            state_dict=accelerator.get_state_dict(model),
+            state_dict=plain_state_dict(accelerator, model),  # plain names, even after torch.compile
         )
         if accelerator.is_main_process:
             tokenizer.save_pretrained(folder)

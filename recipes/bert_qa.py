@@ -40,8 +40,8 @@ from amp_recipes.data import first_rows, loader_settings, pad_multiple, train_sa
 from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.metrics import load_metric
-from amp_recipes.optim import make_optimizer, training_schedule
-from amp_recipes.outputs import claim_output_dir
+from amp_recipes.optim import check_every_parameter_trains, make_optimizer, training_schedule
+from amp_recipes.outputs import claim_output_dir, plain_state_dict
 from amp_recipes.precision import (
     check_model_dtype,
     fp8_layer_report,
@@ -318,6 +318,8 @@ def main(argv=None):
         model, optimizer, train_dataloader, lr_scheduler, eval_dataloader
     )
     precision.update(fp8_layer_report(accelerator, model, args.max_seq_length))  # AMP: fp8 layers, FLOP share
+    check_every_parameter_trains(accelerator, model, optimizer)  # AMP: fp8 swapped layers: none untrained
+    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
     log_fp8_report(precision, logger)
     metric = load_metric("squad", "v2" if args.version_2_with_negative else "v1")  # shipped: works offline
 
@@ -337,7 +339,7 @@ def main(argv=None):
     telemetry.load_state_dict(resumed.get("telemetry", {}))
     # AMP: each module's max |activation| / 65504; off under --torch_compile (its hooks would recompile).
     monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
-    activations = ActivationMonitor(accelerator.unwrap_model(model), monitor_interval)
+    activations = ActivationMonitor(plain_model, monitor_interval)
     compiled = CompileMonitor(args.torch_compile)  # graphs compiled; whether dynamo gave up recompiling
     run_facts = {  # for the trackers' config and eval_results.json
         **precision,
@@ -346,7 +348,7 @@ def main(argv=None):
         "model_type": config.model_type,
         "distributed_type": accelerator.distributed_type.value,
         "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
-        "attn_implementation": accelerator.unwrap_model(model).config._attn_implementation,  # SDPA: fused
+        "attn_implementation": plain_model.config._attn_implementation,  # SDPA: fused
         "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
         "initial_weights_sha256": initial_weights,
     }
@@ -478,12 +480,11 @@ def main(argv=None):
         **compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
     }
     with output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
-        # AMP: the fp32 master weights, gathered from every process under FSDP / ZeRO-3.
-        accelerator.unwrap_model(model).save_pretrained(
+        plain_model.save_pretrained(  # AMP: the fp32 master weights, gathered under FSDP / ZeRO-3
             folder,
             is_main_process=accelerator.is_main_process,
             save_function=accelerator.save,
-            state_dict=accelerator.get_state_dict(model),
+            state_dict=plain_state_dict(accelerator, model),  # plain names, even after torch.compile
         )
         if accelerator.is_main_process:
             tokenizer.save_pretrained(folder)

@@ -322,7 +322,7 @@ def run_worker(spec_path: str) -> None:
     if budget and result["peak_memory_bytes"] > budget:
         result["fits"], result["failure"] = False, "over the memory budget"
     if result["fits"] and step_seconds:
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         weights = tensor_bytes(unwrapped.parameters())
         optimizer_state = tensor_bytes(
             v

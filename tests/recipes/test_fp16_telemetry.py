@@ -249,3 +249,48 @@ def test_auto_precision_and_the_preflight_block(recipe, tmp_path, caplog, monkey
     block = next(r.getMessage() for r in caplog.records if "Preflight" in r.getMessage())
     assert f"auto:       {reason}" in block and "x 1 process(es)" in block
     assert "native bf16" in block and "Tensor Cores no" in block
+
+
+class WeightFault:
+    """An overflow that also happens inside a torch.compile'd region, where module hooks are not
+    run: one weight of `module_name` is infinite during the chosen optimizer steps (set by a
+    pre-hook on the top-level model, which is never compiled; the replay of a step's batch counts as
+    the same step), and restored afterwards (the skipped step left it untouched)."""
+
+    def __init__(self, model, module_name, steps):
+        self.weight = model.get_submodule(module_name).weight
+        self.steps, self.step, self.previous, self.saved = set(steps), 0, None, None
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    @torch.no_grad()
+    def _count(self, module, args, kwargs):
+        if not module.training:
+            return
+        input_ids = kwargs["input_ids"]
+        if self.previous is None or not torch.equal(input_ids, self.previous):
+            self.step += 1
+            if self.saved is not None:
+                self.weight[0, 0], self.saved = self.saved, None
+            if self.step in self.steps:
+                self.saved = self.weight[0, 0].clone()
+                self.weight[0, 0] = math.inf
+        self.previous = input_ids.clone()
+
+
+def test_an_overflow_under_torch_compile_is_located_on_the_eager_model(recipe, tmp_path, monkeypatch, caplog):
+    """Module hooks do not fire inside compiled regions (dynamo skips hook guards), so watching
+    the compiled model would name no module: the skipped step's batch is replayed on the eager
+    model accelerate keeps beside the compiled regions (same weights, same autocast)."""
+    caplog.set_level("INFO")
+    torch._dynamo.reset()
+    monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
+    on_model_load(
+        monkeypatch, recipe, "AutoModelForSequenceClassification", lambda m: WeightFault(m, INJECTED, {2})
+    )
+    argv = [*TINY, "--mixed_precision", "fp16", "--max_train_steps", 3, "--fp16_init_scale", 1024]
+    argv += ["--torch_compile", "--torch_compile_backend", "eager", "--output_dir", tmp_path]
+    results = train(recipe, argv)
+    assert results["skipped_steps"] == 1 and results["compiled_graphs"] > 0
+    message = "step 2: fp16 overflow, optimizer step skipped, loss scale 1024 -> 512; first non-finite value"
+    assert f"{message}: forward output of {INJECTED}" in caplog.text
+    assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / "model.safetensors")).values())

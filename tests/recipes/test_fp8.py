@@ -14,7 +14,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.utils import AORecipeKwargs
 from conftest import (
+    FP8_EMULATION,
     RECIPES,
     REPO,
     TINY_BERT,
@@ -24,6 +26,7 @@ from conftest import (
     fp8_env,
     glue_flags,
     history,
+    load_module,
     reset_accelerate,
     run,
     stop_at,
@@ -78,6 +81,74 @@ def test_conversion_and_layer_report_against_a_hand_count(fp8_on_cpu):
     fp8 = 2 * SEQ * 32 * 32 * (5 * 4 - 1) + 2 * 32 * 32
     assert report["fp8_flop_share"] == pytest.approx(fp8 / total, rel=1e-12)
     assert report["fp8_flop_share_seq_len"] == SEQ and "precision_in_effect" not in report
+
+
+@pytest.mark.parametrize("fsdp2", [False, True])
+def test_the_emulation_seam_changes_emulate_and_nothing_else(fsdp2, monkeypatch):
+    """The test seam's Float8LinearConfig is the product's with emulate=True: any other difference
+    (such as a seam of its own that hid the product's all-gather setting) fails here."""
+    import dataclasses
+
+    from amp_recipes import precision
+
+    product = precision.fp8_linear_config(fsdp2)
+    load_module(FP8_EMULATION / "sitecustomize.py", "fp8_emulation").emulate_fp8(monkeypatch.setattr)
+    emulated = precision.fp8_linear_config(fsdp2)
+    assert (product.emulate, emulated.emulate) == (False, True)
+    assert dataclasses.replace(emulated, emulate=False) == product
+    assert product.enable_fsdp_float8_all_gather is fsdp2 and product.pad_inner_dim
+
+
+@pytest.mark.parametrize(
+    "env, all_gather",
+    [({}, False), ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, False),
+     ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, True)],
+)  # fmt: skip
+def test_fp8_all_gathers_only_under_fsdp2(fp8_on_cpu, monkeypatch, env, all_gather):
+    """What accelerate launch --use_fsdp --fsdp_version N exports decides the recipe handler's config."""
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_VERSION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    [handler] = fp8_recipe_kwargs("fp8", "ao")
+    assert handler.config.enable_fsdp_float8_all_gather is all_gather and handler.config.emulate
+
+
+def test_every_converted_weight_is_in_the_optimizer_and_trains(fp8_on_cpu):
+    """The recipes build the optimizer before prepare(), which swaps in Float8Linear: its weights must
+    be the optimizer's, and move. With the all-gather wrapper outside FSDP2 (the earlier config) they
+    were new Parameters the optimizer never saw: the guard refuses that in one sentence."""
+    import dataclasses
+
+    from amp_recipes import precision
+    from amp_recipes.errors import InputError
+    from amp_recipes.optim import check_every_parameter_trains
+
+    def prepared(config):
+        reset_accelerate()
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(config=config)])
+        model = AutoModelForSequenceClassification.from_pretrained(TINY_BERT, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return accelerator, *accelerator.prepare(model, optimizer)
+
+    accelerator, model, optimizer = prepared(precision.fp8_linear_config())
+    check_every_parameter_trains(accelerator, model, optimizer)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    batch = {"input_ids": torch.randint(1000, 2000, (16, 16)), "labels": torch.randint(0, 2, (16,))}
+    for _ in range(3):
+        accelerator.backward(model(**batch).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    query = "bert.encoder.layer.1.attention.self.query"
+    assert type(model.get_submodule(query)).__name__ == "Float8Linear"
+    assert not any(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+    wrapped = dataclasses.replace(precision.fp8_linear_config(), enable_fsdp_float8_all_gather=True)
+    accelerator, model, optimizer = prepared(wrapped)
+    with pytest.raises(
+        InputError, match=r"^20 trainable parameters are not in the optimizer after prepare\(\)"
+    ):
+        check_every_parameter_trains(accelerator, model, optimizer)
 
 
 def test_fp8_layers_round_to_fp8_inside_bf16_autocast(fp8_on_cpu):

@@ -129,7 +129,8 @@ PRECISION_CALLS = [
     "optimizer.step()",
     "overflow = telemetry.after_optimizer_step()",
     "**telemetry.read()",
-    "accelerator.unwrap_model(model).save_pretrained(",
+    "check_every_parameter_trains(",  # prepare() may swap parameters (fp8): every one still trains
+    "plain_model.save_pretrained(",
 ]
 
 
