@@ -50,6 +50,14 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         help="torch.compile mode (reduce-overhead: CUDA graphs, for small batches on a GPU).",
     )
     train.add_argument(
+        "--ddp_timeout",
+        type=int,
+        default=600,
+        help="Seconds a process waits for the others in a collective operation (gradient all-reduce, "
+        "barrier) before the run stops with an error naming the rank: a rank that hangs ends the run. "
+        "Raise it if one rank works alone longer (e.g. the main process tokenising a large dataset).",
+    )
+    train.add_argument(
         "--optim",
         choices=["auto", "adamw_torch", "adamw_torch_fused"],
         default="auto",
@@ -146,6 +154,7 @@ SHARED_RANGES = {
     "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1"),
     "warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "max_grad_norm": (lambda v: v >= 0, "at least 0 (0 turns clipping off)"),
+    "ddp_timeout": (lambda v: v >= 1, "at least 1 (seconds)"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
     "fp16_init_scale": (lambda v: v > 0, "positive"),
     "fp16_growth_interval": (lambda v: v >= 1, "at least 1"),

@@ -3,6 +3,8 @@
 import contextlib
 import errno
 import os
+import re
+import sys
 
 from safetensors import SafetensorError
 
@@ -77,3 +79,56 @@ def model_load_errors(model_name_or_path: str, num_labels: int | None = None):
             f"The classifier head of {model_name_or_path!r} does not have the {num_labels} output(s) "
             "this task needs; pass --ignore_mismatched_sizes to start a new head."
         ) from error
+
+
+# What torch's process-group backends say when a peer stops answering: gloo's timeout ("Timed out
+# waiting 600000ms for recv operation to complete"), NCCL's watchdog ("Watchdog caught collective
+# operation timeout"), and a peer's socket closing under gloo ("Connection reset by peer",
+# "Connection closed by peer").
+_HUNG = re.compile(r"Timed out waiting (\d+)ms|collective operation timeout")
+_DIED = re.compile(r"Connection (reset|closed) by peer")
+
+
+def lost_rank_message(error: BaseException) -> str | None:
+    """One sentence for a collective operation that failed because another process of the run hung
+    (past --ddp_timeout) or died, naming this process's rank and the one it waited for where that
+    is certain (two processes); None for any other error."""
+    import torch.distributed as dist
+
+    text = str(error)
+    hung, died = _HUNG.search(text), _DIED.search(text)
+    if not (hung or died) or not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = (
+        f"rank {1 - rank}" if world == 2 else "another rank (the launcher's failure report names each exit)"
+    )
+    detail = text.strip().splitlines()[0]
+    if hung:
+        waited = f"{int(hung.group(1)) // 1000} s" if hung.group(1) else "--ddp_timeout"
+        return (
+            f"rank {rank} of {world} waited {waited} (--ddp_timeout) for {peer} in a collective operation "
+            f"and gave up: that process hangs (stopped, deadlocked, stuck in I/O) or lost its network; the "
+            "launcher now stops every process. Resume with --resume_from_checkpoint latest; raise "
+            f"--ddp_timeout only if one rank legitimately works alone that long. ({detail})"
+        )
+    return (
+        f"rank {rank} of {world} lost its connection to {peer}: that process died (killed, out of memory, "
+        "its machine down); the launcher now stops every process. Resume with --resume_from_checkpoint "
+        f"latest. ({detail})"
+    )
+
+
+@contextlib.contextmanager
+def one_sentence_errors():
+    """Around a recipe's main(): the errors a user can act on end the process with `error: ...` and
+    exit code 1 instead of a traceback: bad input, a diverged run, a rank that hung or died."""
+    try:
+        yield
+    except (InputError, TrainingDiverged) as error:
+        sys.exit(f"error: {error}")
+    except RuntimeError as error:  # torch.distributed.DistBackendError is one
+        message = lost_rank_message(error)
+        if message is None:
+            raise
+        sys.exit(f"error: {message}")

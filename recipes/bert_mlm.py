@@ -15,12 +15,13 @@ import argparse
 import logging
 import math
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForMaskedLM, AutoTokenizer, get_scheduler
@@ -35,7 +36,7 @@ from amp_recipes.data import (
     pad_multiple,
     tokenize_and_group,
 )
-from amp_recipes.errors import InputError, TrainingDiverged, model_load_errors
+from amp_recipes.errors import TrainingDiverged, model_load_errors, one_sentence_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.optim import check_every_parameter_trains, make_optimizer, training_schedule
 from amp_recipes.outputs import claim_output_dir, plain_state_dict
@@ -185,6 +186,7 @@ def main(argv=None):
             ),
             # AMP: fp8 only: prepare() swaps Linear layers for torchao's/TE's fp8 ones, the rest runs in bf16.
             *fp8_recipe_kwargs(mixed_precision, args.fp8_backend),  # refused where fp8 cannot run
+            InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout)),  # a hung rank ends the run
         ],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # --torch_compile: one graph for every padded length, the repeated layer compiled once.
@@ -359,9 +361,7 @@ def main(argv=None):
             if completed_steps >= schedule.max_train_steps:
                 break
         padding = meter.epoch_padding_fraction(accelerator)  # --group_by_length lowers it
-        logger.info(
-            f"epoch {epoch + 1}: {padding:.1%} of the batches' tokens were padding", main_process_only=True
-        )
+        logger.info(f"epoch {epoch + 1}: {padding:.1%} of the batches' tokens were padding")
         accelerator.log({"epoch_padding_fraction": padding}, step=completed_steps)
         record.log({"epoch_padding_fraction": padding}, completed_steps)
         if not (args.eval_steps and completed_steps % args.eval_steps == 0):  # unless just evaluated
@@ -403,7 +403,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
+    with one_sentence_errors():  # bad input, a diverged run, a rank that hung or died: `error: ...`, exit 1
         main()
-    except (InputError, TrainingDiverged) as error:
-        sys.exit(f"error: {error}")

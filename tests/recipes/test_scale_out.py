@@ -1,0 +1,302 @@
+"""Scale-out for real, on CPU (gloo): two machines through scripts/launch_slurm.sh's own launch
+line, a rank killed mid-epoch (SIGKILL), a rank that hangs (SIGSTOP) against --ddp_timeout.
+
+Every process of a run carries AMP_SCALE_OUT_TEST=<the test's folder> in its environment, so the
+test finds its ranks (RANK=...) and checks that none is left when the launch has ended."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import RECIPES, REPO, accelerate_launch, glue_flags, offline_env
+from safetensors.torch import load_file
+
+from amp_recipes.checkpoint import LATEST, MARKER, complete_checkpoints, read_checkpoint
+from amp_recipes.outputs import LOCK
+
+CPU_GROUP = {"ACCELERATE_USE_CPU": "1"}  # one gloo process group on a machine without GPUs
+# 240 MRPC pairs in batches of 4 per process: 30 optimizer steps, a checkpoint every 5.
+TRAINING = [
+    RECIPES / "bert_glue.py",
+    *glue_flags(
+        mixed_precision="no",
+        max_train_samples=240,
+        per_device_train_batch_size=4,
+        num_train_epochs=1,
+        checkpointing_steps=5,
+        seed=3,
+    ),
+]
+# The launcher's grace between its SIGTERM and its SIGKILL to the ranks still running
+# (torch.distributed.elastic: LocalElasticAgent._shutdown(timeout=30)).
+LAUNCHER_GRACE_S = 30
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_processes(port):
+    return [
+        "--multi_gpu",
+        "--num_processes",
+        2,
+        "--num_cpu_threads_per_process",
+        1,
+        "--main_process_port",
+        port,
+    ]
+
+
+def run_processes(tag: Path) -> dict[int, int]:
+    """{pid: rank} of the live processes (launchers included, rank -1) tagged with `tag`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = dict(
+                item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item
+            )
+            if (entry / "stat").read_text().split(") ")[1].startswith("Z"):
+                continue  # a zombie: exited, waiting for its parent to read its status
+        except OSError:
+            continue
+        if environ.get(b"AMP_SCALE_OUT_TEST") == str(tag).encode():
+            found[int(entry.name)] = int(environ.get(b"RANK", b"-1"))
+    return found
+
+
+def start(cmd, tmp_path, **env):
+    return subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        env=offline_env(tmp_path, AMP_SCALE_OUT_TEST=tmp_path, **CPU_GROUP, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_checkpoint(process, checkpoints: Path, name: str, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not ((checkpoints / LATEST).is_file() and (checkpoints / LATEST).read_text().strip() == name):
+        assert process.poll() is None, f"the run ended before {name}:\n{process.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {name} after {timeout} s"
+        time.sleep(0.01)
+
+
+def wait_gone(tag: Path, timeout=60) -> None:
+    deadline = time.monotonic() + timeout
+    while run_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not run_processes(tag), f"processes of the run still alive: {run_processes(tag)}"
+
+
+def final_weights(output_dir: Path) -> dict:
+    return load_file(str(output_dir / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(tmp_path):
+    """A failed test must not leave its ranks running (or stopped) on the machine."""
+    yield
+    for pid in run_processes(tmp_path):
+        with contextlib.suppress(ProcessLookupError):  # ended since it was listed
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 2-process run that no one interrupts: the final weights the others must reach."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    cmd = accelerate_launch(*two_processes(free_port()), *TRAINING, "--output_dir", tmp_path / "out")
+    process = start(cmd, tmp_path)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-3000:]
+    return tmp_path / "out"
+
+
+# ----------------------------------------------------------------------------- two machines
+def stub(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+class LockWatcher(threading.Thread):
+    """Reads the output folder's lock every few milliseconds: which processes ever held it, and
+    their global rank (read from the holder's environment while it runs)."""
+
+    def __init__(self, output_dir: Path):
+        super().__init__(daemon=True)
+        self.lock, self.holders, self.running = output_dir / LOCK, {}, True
+
+    def run(self):
+        while self.running:
+            try:
+                pid = json.loads(self.lock.read_text())["pid"]
+            except (OSError, ValueError, KeyError):
+                pid = None
+            if pid is not None and pid not in self.holders:
+                try:
+                    environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+                    self.holders[pid] = next(int(v[5:]) for v in environ if v.startswith(b"RANK="))
+                except (OSError, StopIteration):
+                    self.holders[pid] = None
+            time.sleep(0.005)
+
+
+def test_two_machines_from_the_slurm_launcher_equal_one_machine_with_two_processes(tmp_path):
+    """Two "nodes" on 127.0.0.1, one process each: scripts/launch_slurm.sh's own srun line, run by
+    a stub srun that starts the task once per node, concurrently, as Slurm does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub(bin_dir, "scontrol", 'printf "127.0.0.1\\n127.0.0.1\\n"\n')  # the job's two hosts
+    stub(
+        bin_dir,
+        "srun",
+        "shift 2  # --nodes=2 --ntasks-per-node=1\npids=()\n"
+        'for id in 0 1; do SLURM_NODEID=$id "$@" & pids+=($!); done\n'
+        'status=0\nfor pid in "${pids[@]}"; do wait "$pid" || status=$?; done\nexit $status\n',
+    )
+    port = free_port()
+    shared = tmp_path / "shared-fs" / "out"  # both machines write to the same folder
+    recipe_args = [*TRAINING, "--max_eval_samples", 408, "--output_dir", shared]  # all of MRPC's dev set
+    slurm = {
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",  # accelerate: this Python's
+        "SLURM_JOB_NODELIST": "node-[1-2]",
+        "SLURM_NNODES": "2",
+        "GPUS_PER_NODE": "1",
+        "MAIN_PROCESS_PORT": str(port),
+    }
+    watcher = LockWatcher(shared)
+    watcher.start()
+    try:
+        process = start(["bash", REPO / "scripts" / "launch_slurm.sh", *recipe_args], tmp_path, **slurm)
+        output, _ = process.communicate(timeout=600)
+    finally:
+        watcher.running = False
+        watcher.join()
+    assert process.returncode == 0, output[-4000:]
+    assert f"launching on 2 node(s) x 1 GPU(s); main process 127.0.0.1:{port}" in output
+
+    one_machine = tmp_path / "one-machine"
+    single = start(accelerate_launch(*two_processes(free_port()), *recipe_args[:-1], one_machine), tmp_path)
+    single_output, _ = single.communicate(timeout=600)
+    assert single.returncode == 0, single_output[-4000:]
+
+    two = json.loads((shared / "eval_results.json").read_text())
+    one = json.loads((one_machine / "eval_results.json").read_text())
+    assert (two["distributed_type"], two["num_processes"], two["total_train_batch_size"]) == (
+        "MULTI_CPU",
+        2,
+        8,
+    )
+    assert two["eval_samples"] == 408  # every dev pair scored once
+    assert {k: v for k, v in two.items() if k.startswith("eval_")} == {
+        k: v for k, v in one.items() if k.startswith("eval_")
+    }
+    assert_same_weights(final_weights(shared), final_weights(one_machine))
+    # One writer: global rank 0 (machine 1's process is rank 1 and logs nothing of its own).
+    assert output.count("Saved model and eval_results.json") == 1
+    assert "[RANK 1]" not in output
+    assert list(watcher.holders.values()) == [0], watcher.holders  # one lock holder ever: global rank 0
+    assert not (shared / LOCK).exists()
+    assert not any(shared.glob(f"{LOCK}.*")) and not (shared / ".final.tmp").exists()
+
+
+# ----------------------------------------------------------------------------- a dying rank
+def assert_checkpoints_intact(checkpoints: Path, at_least: int) -> str:
+    """Every checkpoint-N folder is complete and intact, `latest` names the newest; returns it."""
+    folders = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert folders == complete_checkpoints(checkpoints)  # no folder that looks valid without its marker
+    for folder in folders:
+        read_checkpoint(folder, {})  # every file its marker lists, at its size
+    latest = (checkpoints / LATEST).read_text().strip()
+    assert latest == folders[-1].name and int(latest.split("-")[1]) >= at_least
+    assert all(not (p / MARKER).exists() for p in checkpoints.glob(".tmp-*"))
+    return latest
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-lock-holder"])
+def test_a_rank_killed_mid_epoch_ends_the_launch_and_the_run_resumes(victim, uninterrupted, tmp_path):
+    output_dir = tmp_path / "out"
+    launch = accelerate_launch(*two_processes(free_port()), *TRAINING, "--output_dir", output_dir)
+    process = start(launch, tmp_path)
+    wait_for_checkpoint(process, output_dir / "checkpoints", "checkpoint-10")  # step 10 of 30
+    pid = next(pid for pid, rank in run_processes(tmp_path).items() if rank == victim)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    output, _ = process.communicate(timeout=120)
+    ended_after = time.monotonic() - killed_at
+    print(f"the launch ended {ended_after:.1f} s after SIGKILL to rank {victim}")
+    assert process.returncode != 0 and ended_after < 60, output[-3000:]
+    wait_gone(tmp_path, timeout=10)
+    assert not (output_dir / "eval_results.json").exists()  # killed mid-run, not after it
+    latest = assert_checkpoints_intact(output_dir / "checkpoints", at_least=10)
+    # The lock stays only where its holder (rank 0) could not release it: killed itself, or ended by
+    # the launcher's SIGTERM before it saw its peer was gone; then it names a PID no longer running.
+    stale_pid = json.loads((output_dir / LOCK).read_text())["pid"] if (output_dir / LOCK).exists() else None
+    if victim == 0:
+        assert stale_pid == pid
+    elif stale_pid is None:  # rank 0 saw its peer die: one sentence, then released the lock
+        assert "error: rank 0 of 2 lost its connection to rank 1: that process died" in output
+
+    resumed = start([*launch, "--resume_from_checkpoint", "latest"], tmp_path)
+    resumed_output, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, resumed_output[-3000:]
+    assert f"{latest} at step {latest.split('-')[1]}" in resumed_output
+    stale = f"Removing the stale lock {output_dir / LOCK}: PID {stale_pid}"
+    assert (stale in resumed_output) == (stale_pid is not None)
+    assert_same_weights(final_weights(output_dir), final_weights(uninterrupted))
+    assert not (output_dir / LOCK).exists()
+
+
+def test_a_hung_rank_ends_the_run_after_the_ddp_timeout(tmp_path):
+    timeout_s = 10
+    output_dir = tmp_path / "out"
+    launch = accelerate_launch(
+        *two_processes(free_port()), *TRAINING, "--ddp_timeout", timeout_s, "--output_dir", output_dir
+    )
+    process = start(launch, tmp_path)
+    wait_for_checkpoint(process, output_dir / "checkpoints", "checkpoint-10")
+    pid = next(pid for pid, rank in run_processes(tmp_path).items() if rank == 1)
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        output, _ = process.communicate(timeout=300)
+    finally:
+        for leftover in run_processes(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(leftover, signal.SIGCONT)
+    ended_after = time.monotonic() - stopped_at
+    print(f"the launch ended {ended_after:.1f} s after SIGSTOP to rank 1 (--ddp_timeout {timeout_s})")
+    # Rank 0 gives up after the timeout; the launcher's SIGTERM cannot reach a stopped process,
+    # its SIGKILL does, LAUNCHER_GRACE_S later.
+    assert process.returncode != 0, output[-3000:]
+    assert timeout_s <= ended_after < timeout_s + LAUNCHER_GRACE_S + 20, output[-3000:]
+    assert (
+        f"error: rank 0 of 2 waited {timeout_s} s (--ddp_timeout) for rank 1 in a collective operation"
+        in output
+    )
+    wait_gone(tmp_path, timeout=10)
+    assert_checkpoints_intact(output_dir / "checkpoints", at_least=10)
+    assert not (output_dir / LOCK).exists()  # rank 0 ended in order and released it
