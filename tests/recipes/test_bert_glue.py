@@ -11,6 +11,8 @@ import torch
 from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, accelerate_launch, glue_flags, run
 from wandb_offline import offline_run, offline_summary
 
+from amp_recipes.errors import InputError
+
 # A seeded fp32 run on the tiny random BERT, one loss per optimizer step.
 TINY_MRPC_ARGS = glue_flags(
     max_train_samples=96,
@@ -226,7 +228,7 @@ def test_classifier_head_with_the_wrong_number_of_labels(recipe, tmp_path):
         "1",
     ]
     with pytest.raises(
-        recipe.InputError, match=r"does not have the 1 output\(s\) .* pass --ignore_mismatched_sizes"
+        InputError, match=r"does not have the 1 output\(s\) .* pass --ignore_mismatched_sizes"
     ):
         recipe.main(argv)
     results = recipe.main([*argv, "--ignore_mismatched_sizes"])  # a regression head, trained a step
