@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
@@ -125,3 +126,13 @@ def hardware_record(device: torch.device | None = None) -> dict:
     else:
         record.update(tf32_supported=False)
     return record
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of a child process (Linux): the kernel sends it SIGKILL when the process that
+    started it dies, even by SIGKILL, which no handler sees. Elsewhere a no-op."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG

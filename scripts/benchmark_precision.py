@@ -96,6 +96,12 @@ def parse_args(argv=None):
     parser.add_argument("--search_start", type=int, default=8)
     parser.add_argument("--search_max", type=int, default=8192, help="Largest batch size tried.")
     parser.add_argument("--search_granularity", type=int, default=8, help="Bisection stops at this step.")
+    parser.add_argument(
+        "--time_limit_s",
+        type=float,
+        help="Start no trial after this many seconds: the arms not timed yet are recorded as not run, a "
+        "search in progress keeps its largest fit as a lower bound (≥), and results.json is written.",
+    )
     parser.add_argument("--output_dir", help="Default: bench_results/<bench_id>.")
     parser.add_argument("--bench_id", default=time.strftime("bench-%Y%m%d-%H%M%S"))
     parser.add_argument("--report_to", choices=["none", "wandb"], default="none")
@@ -366,8 +372,24 @@ def run_worker(spec_path: str) -> None:
 
 
 # =============================================================================== parent
+class SearchStopped(Exception):
+    """--time_limit_s reached during a max-batch search."""
+
+
+STARTED = time.monotonic()
+
+
+def out_of_time(args) -> bool:
+    return args.time_limit_s is not None and time.monotonic() - STARTED > args.time_limit_s
+
+
 class BenchmarkCrash(RuntimeError):
-    """A trial process that failed for another reason than running out of memory."""
+    """A trial process that failed for another reason than running out of memory: the message is
+    one line (its error), `tail` the last lines of its output."""
+
+    def __init__(self, message: str, tail: str = ""):
+        super().__init__(message)
+        self.tail = tail
 
 
 def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, work_dir: Path) -> dict:
@@ -390,11 +412,14 @@ def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, 
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")
     }  # the arm decides precision
+    from amp_recipes.hardware import die_with_parent
+
     completed = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker", str(spec_path)],
         env=env,
         capture_output=True,
         text=True,
+        preexec_fn=die_with_parent,  # a benchmark killed mid-trial takes its trial along
     )
     if completed.returncode != 0 or not result_path.exists():
         tail = "\n".join(completed.stderr.strip().splitlines()[-5:])
@@ -408,9 +433,9 @@ def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, 
             }
         # Anything else is a bug or a bad setting, not a batch that does not fit: stop loudly
         # rather than report a smaller headroom or a missing arm.
+        last_line = tail.splitlines()[-1].strip() if tail else "no output"
         raise BenchmarkCrash(
-            f"the {arm} arm crashed at batch {batch_size} (exit {completed.returncode}); "
-            f"its last lines:\n{tail}"
+            f"the {arm} arm crashed at batch {batch_size} (exit {completed.returncode}): {last_line}", tail
         )
     return json.loads(result_path.read_text())
 
@@ -425,25 +450,35 @@ def search_max_batch(args, arm: str, work_dir: Path) -> dict:
     trials = []
 
     def fits(batch_size: int) -> bool:
+        if out_of_time(args):
+            raise SearchStopped
         trial = spawn(args, arm, batch_size, 1, 1, work_dir)
         trials.append({k: trial.get(k) for k in ("batch_size", "fits", "peak_memory_bytes", "failure")})
         return bool(trial["fits"])
 
     largest_fit, smallest_fail, batch_size = 0, None, args.search_start
-    while batch_size <= args.search_max:
-        if not fits(batch_size):
-            smallest_fail = batch_size
-            break
-        largest_fit, batch_size = batch_size, batch_size * 2
-    if smallest_fail is None:
-        return {"max_batch_size": largest_fit, "capped_at_search_max": True, "trials": trials}
-    step = args.search_granularity
-    while largest_fit and smallest_fail - largest_fit > step:
-        middle = largest_fit + max(step, (smallest_fail - largest_fit) // 2 // step * step)
-        if fits(middle):
-            largest_fit = middle
-        else:
-            smallest_fail = middle
+    try:
+        while batch_size <= args.search_max:
+            if not fits(batch_size):
+                smallest_fail = batch_size
+                break
+            largest_fit, batch_size = batch_size, batch_size * 2
+        if smallest_fail is None:
+            return {"max_batch_size": largest_fit, "capped_at_search_max": True, "trials": trials}
+        step = args.search_granularity
+        while largest_fit and smallest_fail - largest_fit > step:
+            middle = largest_fit + max(step, (smallest_fail - largest_fit) // 2 // step * step)
+            if fits(middle):
+                largest_fit = middle
+            else:
+                smallest_fail = middle
+    except SearchStopped:  # --time_limit_s: what was found is a lower bound
+        return {
+            "max_batch_size": largest_fit or None,
+            "capped_at_search_max": True,
+            "search_stopped": "time limit",
+            "trials": trials,
+        }
     return {
         "max_batch_size": largest_fit,
         "first_batch_not_fitting": smallest_fail,
@@ -479,7 +514,12 @@ def compare(results: dict) -> None:
         if result.get("max_batch_size") and base.get("max_batch_size") and not capped:
             ratios["headroom"] = result["max_batch_size"] / base["max_batch_size"]
         elif capped:  # a lower bound over a lower bound is no ratio
-            result["headroom_note"] = "no headroom ratio: the search reached --search_max; raise it"
+            stopped = result.get("search_stopped") or base.get("search_stopped")
+            result["headroom_note"] = (
+                "no headroom ratio: the search stopped at --time_limit_s; give it more time"
+                if stopped
+                else "no headroom ratio: the search reached --search_max; raise it"
+            )
         result["ratios_vs_fp32"] = ratios
         result["loss_vs_fp32"] = relative_difference(result["losses"], base["losses"])
 
@@ -501,14 +541,18 @@ def markdown_table(results: dict) -> str:
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for arm, r in results.items():
         if not r.get("fits"):
-            lines.append(
-                f"| {arm} | {r.get('precision_in_effect', '—')} | does not fit ({r.get('failure')}) |"
-                + " — |" * 9
+            reason = (
+                f"crashed: {r['crashed']}".replace("|", "\\|")
+                if r.get("crashed")
+                else f"not run: {r['not_run']}"
+                if r.get("not_run")
+                else f"does not fit ({r.get('failure')})"
             )
+            lines.append(f"| {arm} | {r.get('precision_in_effect', '—')} | {reason} |" + " — |" * 9)
             continue
         max_batch = r.get("max_batch_size")
         max_batch_text = (
-            "not measured"
+            ("crashed" if r.get("crashed") else "not measured")
             if max_batch is None
             else (
                 f"≥{max_batch}"
@@ -614,26 +658,44 @@ def report_to_wandb(args, results: dict, hardware: dict) -> None:
 
 
 def run_arms(args, hardware: dict, work_dir: Path, search_note: str | None) -> dict:
-    """Time each arm, then search its largest batch; raises BenchmarkCrash if a trial crashed."""
-    from amp_recipes.flops import device_peak_tflops, mfu
-
+    """Time each arm, then search its largest batch. An arm whose trial crashed is recorded with
+    its error (`crashed`), never as "does not fit", and the others' figures are kept."""
     results = {}
     for arm in args.arms:
-        print(f"[{arm}] timing {args.timed_steps} steps at batch {args.batch_size} ...", flush=True)
-        result = spawn(args, arm, args.batch_size, args.warmup_steps, args.timed_steps, work_dir)
-        if result.get("fits"):
-            peak = (
-                device_peak_tflops(hardware["device_name"], result["precision_in_effect"])
-                if hardware["device_type"] == "cuda"
-                else None
-            )
-            result["peak_tflops"] = peak
-            result["mfu"] = mfu(result["flops_per_step"], result["median_step_seconds"], peak)
-        if not args.no_search and not search_note:
-            print(f"[{arm}] searching the largest batch that fits ...", flush=True)
-            result.update(search_max_batch(args, arm, work_dir))
-        results[arm] = result
+        if out_of_time(args):
+            print(f"[{arm}] not run: --time_limit_s {args.time_limit_s:.0f} reached", flush=True)
+            results[arm] = {"arm": arm, "batch_size": args.batch_size, "fits": False, "not_run": "time limit"}
+            continue
+        try:
+            results[arm] = run_arm(args, arm, hardware, work_dir, search_note)
+        except BenchmarkCrash as crash:  # recorded; the other arms still run and keep their figures
+            print(f"[{arm}] error: {crash}; its last lines:\n{crash.tail}", flush=True)
+            results[arm] = {"arm": arm, "batch_size": args.batch_size, "fits": False, "crashed": str(crash)}
     return results
+
+
+def run_arm(args, arm: str, hardware: dict, work_dir: Path, search_note: str | None) -> dict:
+    """One arm: its timed run, then (unless skipped) its largest batch."""
+    from amp_recipes.flops import device_peak_tflops, mfu
+
+    print(f"[{arm}] timing {args.timed_steps} steps at batch {args.batch_size} ...", flush=True)
+    result = spawn(args, arm, args.batch_size, args.warmup_steps, args.timed_steps, work_dir)
+    if result.get("fits"):
+        peak = (
+            device_peak_tflops(hardware["device_name"], result["precision_in_effect"])
+            if hardware["device_type"] == "cuda"
+            else None
+        )
+        result["peak_tflops"] = peak
+        result["mfu"] = mfu(result["flops_per_step"], result["median_step_seconds"], peak)
+    if not args.no_search and not search_note:
+        print(f"[{arm}] searching the largest batch that fits ...", flush=True)
+        try:
+            result.update(search_max_batch(args, arm, work_dir))
+        except BenchmarkCrash as crash:  # the timed figures stand; the headroom is not measured
+            print(f"[{arm}] error: {crash}; its last lines:\n{crash.tail}", flush=True)
+            result["crashed"] = f"max-batch search: {crash}"
+    return result
 
 
 def main(argv=None) -> dict:
@@ -665,10 +727,7 @@ def main(argv=None) -> dict:
     if not args.no_search and hardware["device_type"] == "cpu" and not args.memory_budget_gb:
         search_note = "max batch size not measured: on a CPU the search needs --memory_budget_gb"
 
-    try:
-        results = run_arms(args, hardware, work_dir, search_note)
-    except BenchmarkCrash as crash:
-        sys.exit(f"error: {crash}")
+    results = run_arms(args, hardware, work_dir, search_note)
     compare(results)
     table = markdown_table(results)
     if search_note:
@@ -691,6 +750,9 @@ def main(argv=None) -> dict:
         report_to_wandb(args, results, hardware)
     print(table)
     print(f"Wrote {output_dir}/results.json, results.md and results.png")
+    crashed = [r["crashed"] for r in results.values() if r.get("crashed")]
+    if crashed:  # the figures of the other arms are written; the run still fails
+        sys.exit("\n".join(f"error: {reason}" for reason in crashed))
     return payload
 
 

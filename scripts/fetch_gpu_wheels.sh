@@ -18,3 +18,6 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl $pins "torchao==${TORCHAO_VERSION:-0.18.0}" "$@"
 ls -la .whl
+total=$(du -cb .whl/*.whl | tail -n 1 | cut -f1)
+echo "wheels to carry: $((total / 1024 / 1024)) MiB of the 64 MiB that may travel with the checkout"
+[ "$total" -le $((64 * 1024 * 1024)) ] || { echo "error: .whl/ is over 64 MiB; remove what the GPU image has" >&2; exit 1; }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bash scripts/gpu_check.sh [--dry_run] [--output_dir DIR]
+# bash scripts/gpu_check.sh [--dry_run] [--output_dir DIR] [--steps ...] [--budget_s S]
 #
 # One-shot GPU validation (see scripts/gpu_check.py for the plan). A GPU image may lack
 # datasets/evaluate, and torchao (the fp8 step): wheels fetched beforehand by
@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 shopt -s nullglob
 
+export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s.%N)}"  # the check's budget starts here
 PYTHON="${PYTHON:-python3}"  # the interpreter that has torch
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # amp_recipes without `pip install -e .`
 wheels=()

@@ -133,6 +133,33 @@ def test_the_search_doubles_then_bisects_to_the_granularity(monkeypatch, tmp_pat
     assert capped["max_batch_size"] == 256 and capped["capped_at_search_max"]
 
 
+def test_a_time_limit_stops_the_search_with_a_lower_bound_and_skips_later_arms(monkeypatch, tmp_path):
+    """--time_limit_s: no trial starts past it; the search keeps its largest fit as a lower bound,
+    the arms not yet timed are recorded as not run, and the table says both."""
+    script = load_module(SCRIPT)
+    tried = []
+
+    def fake_spawn(args, arm, batch_size, warmup_steps, timed_steps, work_dir):
+        tried.append((arm, batch_size))
+        timed = {"flops_per_step": 1e9, "median_step_seconds": 0.1}
+        return {"arm": arm, "batch_size": batch_size, "fits": True, "peak_memory_bytes": batch_size, **timed}
+
+    monkeypatch.setattr(script, "spawn", fake_spawn)
+    monkeypatch.setattr(script, "out_of_time", lambda args: len(tried) >= 3)  # time runs out after 3 trials
+    args = script.parse_args(["--search_start", "64", "--search_max", "4096", "--time_limit_s", "1"])
+    found = script.search_max_batch(args, "fp32", tmp_path)
+    assert found["max_batch_size"] == 256 and found["capped_at_search_max"]  # 64, 128, 256 fitted
+    assert found["search_stopped"] == "time limit"
+
+    tried.clear()
+    args = script.parse_args(["--arms", "fp32,bf16", "--no_search", "--time_limit_s", "1"])
+    monkeypatch.setattr(script, "out_of_time", lambda args: len(tried) >= 1)
+    hardware = {"device_type": "cpu", "device_name": "cpu"}
+    results = script.run_arms(args, hardware, tmp_path, None)
+    assert results["bf16"] == {"arm": "bf16", "batch_size": 32, "fits": False, "not_run": "time limit"}
+    assert "| bf16 | — | not run: time limit |" in script.markdown_table({"bf16": results["bf16"]})
+
+
 def test_fp16_on_cpu_is_not_reduced_precision_and_gets_no_ratio(benchmark):
     payload, *_ = benchmark
     fp16, bf16 = payload["arms"]["fp16"], payload["arms"]["bf16"]
@@ -201,10 +228,43 @@ def test_a_crashed_trial_fails_the_benchmark_loudly(tmp_path):
     result = run([*command, "--seq_len", 16, "--output_dir", tmp_path / "out"], tmp_path)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()
-    assert any(line.startswith("error: the fp32 arm crashed at batch") for line in last), result.stderr[
-        -2000:
+    assert any(line.startswith("error: the fp32 arm crashed at batch 32 (exit 1): ") for line in last), (
+        result.stderr[-2000:]
+    )
+    arm = json.loads((tmp_path / "out" / "results.json").read_text())["arms"]["fp32"]
+    assert arm["fits"] is False and "no-such-model" in arm["crashed"]
+    assert (
+        "| fp32 | — | crashed: the fp32 arm crashed at batch 32"
+        in (tmp_path / "out" / "results.md").read_text()
+    )
+
+
+def test_a_crashing_arm_keeps_the_other_arms_figures(tmp_path):
+    """A compiled arm that cannot compile (here: a backend that does not exist) is recorded with its
+    error; the eager arm beside it keeps its figures."""
+    command = [
+        sys.executable,
+        SCRIPT,
+        "--config_name",
+        TINY_BERT,
+        "--arms",
+        "fp32+compile,fp32",
+        "--no_search",
     ]
-    assert not (tmp_path / "out" / "results.json").exists()  # no table that reads as a result
+    command += ["--torch_compile_backend", "no_such_backend", "--seq_len", 32, "--batch_size", 4]
+    command += ["--warmup_steps", 1, "--timed_steps", 2]
+    result = run([*command, "--output_dir", tmp_path / "out"], tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "error: the fp32+compile arm crashed at batch" in result.stderr
+    arms = json.loads((tmp_path / "out" / "results.json").read_text())["arms"]
+    assert arms["fp32+compile"]["crashed"].endswith(
+        "'NO_SUCH_BACKEND' is not a valid DynamoBackend"
+    )  # its error line
+    assert (
+        arms["fp32"]["fits"] and arms["fp32"]["median_step_seconds"] > 0 and arms["fp32"]["peak_memory_bytes"]
+    )
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| fp32+compile | — | crashed: the fp32+compile arm crashed" in table
 
 
 def test_memory_budget_gets_a_cuda_index_torch_accepts(monkeypatch):
