@@ -128,11 +128,15 @@ def hardware_record(device: torch.device | None = None) -> dict:
     return record
 
 
-def die_with_parent() -> None:
-    """`preexec_fn` of a child process (Linux): the kernel sends it SIGKILL when the process that
-    started it dies, even by SIGKILL, which no handler sees. Elsewhere a no-op."""
+def die_with_parent(parent_pid: int) -> None:
+    """Called first thing in a child process (Linux): the kernel sends it SIGKILL when its parent
+    dies, even by SIGKILL, which no handler sees; a parent already gone (`parent_pid` is no longer
+    the parent) ends it at once. Elsewhere a no-op. Not a `preexec_fn`: that runs Python between
+    fork and exec, which may hang in a process with threads (torch's), and delays every start."""
     import ctypes
     import signal
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)

@@ -229,6 +229,9 @@ def cuda_index(device) -> int:
 def run_worker(spec_path: str) -> None:
     """One arm at one batch size in this fresh process; writes its figures as JSON."""
     spec = json.loads(Path(spec_path).read_text())
+    from amp_recipes.hardware import die_with_parent
+
+    die_with_parent(spec["parent_pid"])  # a benchmark killed mid-trial takes its trial along
     config, arm, batch_size = spec["config"], spec["arm"], spec["batch_size"]
     rss_at_start = current_rss_bytes()
     import torch
@@ -406,20 +409,18 @@ def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, 
                 "warmup_steps": warmup_steps,
                 "timed_steps": timed_steps,
                 "result_path": str(result_path),
+                "parent_pid": os.getpid(),
             }
         )
     )
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")
     }  # the arm decides precision
-    from amp_recipes.hardware import die_with_parent
-
     completed = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker", str(spec_path)],
         env=env,
         capture_output=True,
         text=True,
-        preexec_fn=die_with_parent,  # a benchmark killed mid-trial takes its trial along
     )
     if completed.returncode != 0 or not result_path.exists():
         tail = "\n".join(completed.stderr.strip().splitlines()[-5:])

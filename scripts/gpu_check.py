@@ -48,7 +48,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # amp_recipes without `pip install -e .`
-from amp_recipes.hardware import die_with_parent  # noqa: E402
 
 GLUE_DIR = REPO / "data" / "glue"
 BERT_BASE = REPO / "data" / "models" / "bert-base-uncased"
@@ -186,6 +185,23 @@ class Budget:
 
 _running: subprocess.Popen | None = None  # the step in progress: the signal handler kills its group
 
+# Each step runs under this reaper, the leader of the step's process group. When the check dies,
+# even by SIGKILL (no handler of ours runs then), the kernel sends the reaper SIGTERM (Linux's
+# parent-death signal), and the reaper kills the whole group: the step and every process it
+# started, grandchildren included (pytest's recipe runs, the benchmark's trials), not only the
+# step's first process. Elsewhere than Linux prctl is missing and only the handlers below act.
+REAPER = """
+import contextlib, ctypes, os, signal, subprocess, sys
+def reap(*_):
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGTERM, reap)
+with contextlib.suppress(OSError, AttributeError):
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    reap()  # the check died before the line above
+sys.exit(subprocess.call(sys.argv[2:]))
+"""
+
 
 def _kill_running_step(signum, frame):
     """SIGTERM/SIGINT/SIGHUP to the check: its step's whole process group dies with it."""
@@ -206,13 +222,12 @@ def run_step(name: str, command: list, log_path: Path, env: dict, timeout: float
         log.write(header + "\n")
         log.flush()
         _running = subprocess.Popen(
-            [str(c) for c in command],
+            [sys.executable, "-c", REAPER, str(os.getpid()), *map(str, command)],
             cwd=REPO,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: the benchmark's trials die with it
-            preexec_fn=die_with_parent,  # a check killed outright (SIGKILL) takes the step along
+            start_new_session=True,  # its own process group, which a timeout, a signal or the reaper kills
         )
         try:
             exit_code, timed_out = _running.wait(timeout=timeout), False

@@ -294,3 +294,31 @@ def test_a_missing_import_stops_the_check_before_any_step(monkeypatch):
     assert str(stop.value).startswith(
         "error: missing no_such_package (carried wheels (no_such_package)): run `bash scripts/fetch_gpu_wheels.sh`"
     )
+
+
+def test_a_check_killed_outright_takes_its_steps_grandchildren_along(tmp_path):
+    """SIGKILL to the check (no handler runs): the reaper leading the step's group kills the step
+    and the processes it started, not only its first process."""
+    marker = tmp_path / "grandchild-survived"
+    check = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util, os;"
+            "spec = importlib.util.spec_from_file_location('gpu_check', 'scripts/gpu_check.py');"
+            "g = importlib.util.module_from_spec(spec); spec.loader.exec_module(g);"
+            f"g.run_step('s', ['bash', '-c', 'echo started; (sleep 4; touch {marker}) & wait'], '{tmp_path / 's.log'}', "
+            "dict(os.environ), timeout=60)",
+        ],
+        cwd=REPO,
+    )
+    deadline = time.monotonic() + 30
+    while "\nstarted" not in ((tmp_path / "s.log").read_text() if (tmp_path / "s.log").exists() else ""):
+        assert time.monotonic() < deadline and check.poll() is None
+        time.sleep(0.1)
+    time.sleep(1)  # the reaper, bash and its sleeping child are running
+    assert check.poll() is None, "the check ended before it was killed"
+    check.send_signal(signal.SIGKILL)
+    check.wait()
+    time.sleep(5)
+    assert not marker.exists()
