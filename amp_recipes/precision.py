@@ -334,7 +334,7 @@ def preflight_checks(
     if flag and launcher and flag != launcher:
         warnings.append(
             f"--mixed_precision {flag} and the accelerate launch/config setting {launcher} disagree: "
-            f"the script's flag wins, this run uses {flag}."
+            f"the script's flag wins, this run asks for {flag}."
         )
     if requested == "fp16" and facts["device_type"] == "cpu" and in_effect != "fp16":
         warnings.append(

@@ -135,7 +135,7 @@ def test_auto_precision_for_each_device(facts, choice, reason):
             "fp16",
             "fp16",
             "bf16",
-            "--mixed_precision fp16 and the accelerate launch/config setting bf16 disagree: the script's flag wins, this run uses fp16.",
+            "--mixed_precision fp16 and the accelerate launch/config setting bf16 disagree: the script's flag wins, this run asks for fp16.",
         ),
     ],
 )
