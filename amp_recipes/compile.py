@@ -20,7 +20,7 @@ def dynamo_plugin(args) -> TorchDynamoPlugin | None:
       Static shapes over length buckets (padding to multiples of 32) were measured as the other
       bound, and lost (MiniLM, MRPC, 1 epoch, 2-core Xeon): 29 graphs against 10, each new bucket
       a compile of its own, and the extra padding: 311 s of training against 153 s, both with a
-      cold compile cache (eager: 99 s). README: "torch.compile on this CPU".
+      cold compile cache (eager: 99 s). docs/results.md: "torch.compile on this CPU".
     - use_regional_compilation: the repeated encoder layer is compiled once and reused by every
       layer, not compiled 6-24 times: a shorter compile, the same kernels.
     """

@@ -1,4 +1,4 @@
-"""`amp-recipes ls/cp`, a copied recipe running outside the repository, and the README's
+"""`amp-recipes ls/cp`, a copied recipe running outside the repository, and the docs'
 "Make it your own" adaptations applied to copies and run."""
 
 import json
@@ -89,15 +89,15 @@ def test_a_copied_recipe_runs_outside_the_repository(tmp_path):
 
 
 # ----------------------------------------------------------------------------- "Make it your own"
-def readme_adaptations() -> dict[str, str]:
-    """{title: unified diff} of the README's worked adaptations."""
-    section = (REPO / "README.md").read_text().split("## Make it your own", 1)[1].split("\n## ", 1)[0]
-    found = re.findall(r"^### (.+?)\n.*?```diff\n(.*?)```", section, re.S | re.M)
+def documented_adaptations() -> dict[str, str]:
+    """{title: unified diff} of the worked adaptations in docs/customize.md ("Make it your own")."""
+    page = (REPO / "docs" / "customize.md").read_text()
+    found = re.findall(r"^## (.+?)\n.*?```diff\n(.*?)```", page, re.S | re.M)
     return {title.strip(): diff for title, diff in found}
 
 
-def test_the_readme_has_three_adaptations():
-    assert list(readme_adaptations()) == ["Your own CSV data", "Another model family", "Another metric"]
+def test_the_docs_have_three_adaptations():
+    assert list(documented_adaptations()) == ["Your own CSV data", "Another model family", "Another metric"]
 
 
 @pytest.mark.parametrize("title", ["Your own CSV data", "Another model family", "Another metric"])
@@ -105,7 +105,7 @@ def test_adaptation_applies_to_a_copy_and_runs(tmp_path, title):
     assert sh([*CLI, "cp", "bert_glue", tmp_path / "my_task.py"], tmp_path).returncode == 0
     patched = subprocess.run(
         ["patch", "--no-backup-if-mismatch", "my_task.py"],
-        input=readme_adaptations()[title],
+        input=documented_adaptations()[title],
         cwd=tmp_path,
         capture_output=True,
         text=True,

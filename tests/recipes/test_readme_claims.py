@@ -1,4 +1,4 @@
-"""README claims about bert_glue.py's flags, each run through the recipe (in process, tiny BERT,
+"""Claims of the docs (docs/recipes/glue.md) about bert_glue.py's flags, each run through the recipe (in process, tiny BERT,
 real MRPC rows): clipping and `--max_grad_norm 0`, `--eval_only` of a checkpoint, an fp16
 checkpoint trained as float32, and `--preprocessing_num_workers` > 1."""
 
@@ -152,7 +152,7 @@ def test_unset_flag_lets_accelerate_launch_decide_and_report_to_all_feeds_both_t
 
 
 def test_mnli_reports_matched_and_mismatched_accuracy(recipe, tmp_path):
-    """README: MNLI's mismatched dev accuracy is `eval_accuracy_mm`. Both are checked against the
+    """docs/recipes/glue.md: MNLI's mismatched dev accuracy is `eval_accuracy_mm`. Both are checked against the
     saved model's own predictions on each dev file, computed here with plain transformers."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -1,5 +1,5 @@
 """scripts/compare_loops.py: every arm runs in its own process on the same work and the report
-holds their figures and ratios (tiny model; the real comparison is a benchmark, see README)."""
+holds their figures and ratios (tiny model; the real comparison is a benchmark, see docs/results.md)."""
 
 import json
 import sys
