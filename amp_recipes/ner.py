@@ -13,8 +13,9 @@ from pathlib import Path
 
 import datasets
 
-from .data import _check_file, _load_user_file, check_max_length, load_hub_dataset
+from .data import check_max_length, load_hub_dataset
 from .errors import InputError
+from .files import check_file, load_user_file
 
 HUB_DATASET = "eriktks/conll2003"  # the Hub's CoNLL-2003 (English), integer tags + their names
 # datasets >= 4 runs no loading scripts; the Hub's parquet export of a script dataset loads anyway.
@@ -40,7 +41,7 @@ def read_conll(path: str) -> datasets.Dataset:
     skipped. datasets has no builder for this layout (the Hub's CoNLL-2003 used a loading script),
     so it is read here into an in-memory table: no cache files, so every process of a launch
     reads and tokenises it (a few seconds for CoNLL-2003's 14,041 training sentences)."""
-    _check_file(path)
+    check_file(path)
     rows = {"tokens": [], "tags": [], "where": []}
     tokens, tags, start, columns = [], [], 0, None
 
@@ -82,7 +83,7 @@ def read_conll(path: str) -> datasets.Dataset:
 
 def read_json(path: str, tokens_column: str, tags_column: str | None) -> datasets.Dataset:
     """Rows with a list of words and a list of tag names of the same length."""
-    table = _load_user_file(path, None, JSON_BUILDERS)
+    table = load_user_file(path, None, JSON_BUILDERS)
     tags_column = tags_column or next((c for c in TAG_COLUMNS if c in table.column_names), TAG_COLUMNS[0])
     missing = [c for c in (tokens_column, tags_column) if c not in table.column_names]
     if missing:

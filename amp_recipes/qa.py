@@ -17,8 +17,9 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .data import _check_file, _load_user_file, check_max_length, load_hub_dataset
+from .data import check_max_length, load_hub_dataset
 from .errors import InputError
+from .files import check_file, load_user_file
 
 HUB_DATASETS = {False: "rajpurkar/squad", True: "rajpurkar/squad_v2"}  # by --version_2_with_negative
 JSON_BUILDERS = {".json": "json", ".jsonl": "json"}
@@ -73,7 +74,7 @@ def read_squad_json(path: str) -> datasets.Dataset:
 def read_file(path: str, columns: dict[str, str]) -> datasets.Dataset:
     """SQuAD-format JSON, or flat .json/.jsonl rows whose columns `columns` names
     ({"question": ..., "context": ..., "answers": ...}; `id` optional)."""
-    _check_file(path)
+    check_file(path)
     suffix = Path(path).suffix.lower()
     if suffix not in JSON_BUILDERS:
         raise InputError(
@@ -82,7 +83,7 @@ def read_file(path: str, columns: dict[str, str]) -> datasets.Dataset:
         )
     if suffix == ".json" and _is_squad_layout(path):
         return read_squad_json(path)
-    table = _load_user_file(path, None, JSON_BUILDERS)
+    table = load_user_file(path, None, JSON_BUILDERS)
     missing = [name for name in columns.values() if name not in table.column_names]
     if missing:
         raise InputError(

@@ -295,3 +295,19 @@ def test_a_copy_of_the_checkout_with_nothing_beside_it_reads_its_data(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert re.search(r"\b(\d{2,}) passed\b", result.stdout) and " failed" not in result.stdout
+
+
+def test_no_library_module_imports_another_modules_private_names():
+    """What one module of amp_recipes shares with another is public: no `from .data import _x`."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO / "amp_recipes").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (
+                node.level or (node.module or "").startswith("amp_recipes")
+            ):
+                offenders += [
+                    f"{path.name}: {alias.name}" for alias in node.names if alias.name.startswith("_")
+                ]
+    assert not offenders, offenders
