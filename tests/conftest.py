@@ -87,7 +87,19 @@ def missing_tool(what: str):
     pytest.skip(f"{what} not installed (pip install -r requirements-dev.txt)")
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def accelerate_launch(*args):
+    """`accelerate launch` with `args`; a multi-process launch gets a free port of its own, so that
+    launches in CI's two pytest processes never meet on torch's default 29500."""
+    if "--num_processes" in map(str, args) and "--main_process_port" not in map(str, args):
+        args = ("--main_process_port", free_port(), *args)
     return [sys.executable, "-m", "accelerate.commands.launch", *args]
 
 

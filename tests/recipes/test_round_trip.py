@@ -132,7 +132,11 @@ def scores(results: dict) -> dict:
     return {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, int | float)}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+# The two-process rows take ~35 s each: CI runs them in its second lane (`slow`, see .ci/run).
+ROWS = [pytest.param(mode, marks=pytest.mark.slow) if MODES[mode][1] else mode for mode in MODES]
+
+
+@pytest.mark.parametrize("mode", ROWS)
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_trains_saves_reloads_and_scores_the_same(
     name, mode, corpus, tmp_path, tmp_path_factory, monkeypatch, request
