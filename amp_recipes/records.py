@@ -31,12 +31,17 @@ def fsync_tree(folder: Path) -> None:
 
 
 def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
+    """`payload` as indented JSON, through `write_text_atomic`."""
+    write_text_atomic(path, json.dumps(payload, indent=2))
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write to a temporary file in the same folder, flush to disk, then rename into place:
     a crash leaves either the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
-        json.dump(payload, handle, indent=2)
+        handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
     # tempfile creates it private (0600); give it the mode any new file gets (0644 under umask 022),

@@ -594,16 +594,11 @@ def write_summary(summary: dict, out: Path) -> str:
     summary["checks"] = checks(summary)
     summary["ok"] = all(value is not False for value in summary["checks"].values())
     text = summary_markdown(summary)
-    write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
-    write_atomic(out / "summary.md", text)
+    from amp_recipes.records import write_text_atomic  # written aside and renamed: a kill never halves it
+
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
+    write_text_atomic(out / "summary.md", text)
     return text
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Written aside, then renamed over the old one: a kill never leaves half a file."""
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(text)
-    os.replace(staging, path)
 
 
 def summary_markdown(summary: dict) -> str:

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RECIPES, REPO, accelerate_launch, glue_flags, offline_env
+from conftest import RECIPES, REPO, accelerate_launch, free_port, glue_flags, offline_env
 from safetensors.torch import load_file
 
 from amp_recipes.checkpoint import LATEST, MARKER, complete_checkpoints, read_checkpoint
@@ -40,12 +39,6 @@ TRAINING = [
 # The launcher's grace between its SIGTERM and its SIGKILL to the ranks still running
 # (torch.distributed.elastic: LocalElasticAgent._shutdown(timeout=30)).
 LAUNCHER_GRACE_S = 30
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def two_processes(port):
