@@ -84,14 +84,13 @@ LIMITS = {
         "reload_fp16": 45,
         "benchmark": 150,
         "fp8_seq32": 90,
-        "fp8_seq64": 90,
         "compiled": 120,
     },
 }
 TRIAL_S = {False: 20, True: 30}  # one benchmark trial process, start-up included
 # Sequence lengths of the fp8 step: GLUE's usual 128 and SQuAD's 384 (larger matmuls, where fp8
-# has more to gain).
-FP8_SEQ_LENS = {False: (128, 384), True: (32, 64)}
+# has more to gain). The dry run rehearses the step once: a second length runs the same code.
+FP8_SEQ_LENS = {False: (128, 384), True: (32,)}
 # The fp16 fine-tune's per-step loss against fp32's, same seed and batches: rounding alone moves
 # it by far less; a broken scaler, autocast or loss reduction moves it by far more.
 LOSS_TOLERANCE = 0.05

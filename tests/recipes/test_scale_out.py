@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 from amp_recipes.checkpoint import LATEST, MARKER, complete_checkpoints, read_checkpoint
 from amp_recipes.outputs import LOCK
 
+pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
+
 CPU_GROUP = {"ACCELERATE_USE_CPU": "1"}  # one gloo process group on a machine without GPUs
 # 240 MRPC pairs in batches of 4 per process: 30 optimizer steps, a checkpoint every 5.
 TRAINING = [

@@ -9,6 +9,8 @@ import torch
 from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, load_module, run
 from wandb_offline import offline_run
 
+pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
+
 SCRIPT = REPO / "scripts" / "benchmark_precision.py"
 # Batch 256 peaks near 1.0-1.1 GiB RSS (the interpreter and libraries are ~0.6 of it), so the
 # search crosses this budget between 256 and 512 wherever the baseline lands.

@@ -4,9 +4,12 @@ holds their figures and ratios (tiny model; the real comparison is a benchmark, 
 import json
 import sys
 
+import pytest
 import torch
 from conftest import GLUE_DIR, REPO, TINY_BERT, load_module, minilm_path, run
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
 
 
 def test_arms_run_and_report(tmp_path):
