@@ -2,6 +2,10 @@
 
     amp-recipes ls
     amp-recipes cp bert_glue ./my_task.py          # --force to overwrite
+    amp-recipes cp minimal/bert_glue ./my_loop.py  # the minimal tier: AMP by hand, one device
+
+Two tiers: the full recipes (accelerate: one GPU to many nodes, checkpoints, telemetry) and the
+minimal tier (the textbook loop in plain PyTorch, every autocast and GradScaler call written out).
 
 A copied recipe is a plain script: it imports this package (installed) and nothing from the
 repository, so it runs from any directory.
@@ -16,15 +20,21 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+TIERS = {  # name prefix -> what the tier is (the repository's recipes/ and recipes/minimal/)
+    "": "full recipes: accelerate runs AMP, one GPU to many nodes, checkpoints and resume, telemetry",
+    "minimal/": "minimal tier: one device, plain PyTorch, every AMP call written out; to learn or port",
+}
+
 
 def recipes() -> dict[str, Path]:
-    """{name: file} of the recipes shipped with the package (the repository's recipes/ folder)."""
-    folder = resources.files("amp_recipes.recipes")
-    return {
-        Path(str(entry)).stem: Path(str(entry))
-        for entry in folder.iterdir()
-        if entry.name.endswith(".py") and not entry.name.startswith("_")
-    }
+    """{name: file} of the recipes shipped with the package: `bert_glue`, ..., `minimal/bert_glue`."""
+    found = {}
+    for prefix in TIERS:
+        folder = resources.files("amp_recipes.recipes").joinpath(prefix or ".")
+        for entry in folder.iterdir():
+            if entry.name.endswith(".py") and not entry.name.startswith("_"):
+                found[prefix + Path(entry.name).stem] = Path(str(entry))
+    return found
 
 
 def describe(path: Path) -> tuple[str, str]:
@@ -48,9 +58,12 @@ def main(argv=None) -> int:
     available = recipes()
     if args.command == "ls":
         width = max(map(len, available))
-        for name, path in sorted(available.items()):
-            description, command = describe(path)
-            print(f"{name:<{width}}  {description}\n{'':<{width}}  {command}")
+        for prefix, tier in TIERS.items():
+            print(f"# {tier}")
+            for name, path in sorted(available.items()):
+                if name.startswith(prefix) and "/" not in name.removeprefix(prefix):
+                    description, command = describe(path)
+                    print(f"{name:<{width}}  {description}\n{'':<{width}}  {command}")
         return 0
 
     name = args.recipe.removesuffix(".py")
@@ -58,7 +71,7 @@ def main(argv=None) -> int:
         parser.error(f"no recipe {args.recipe!r}; choose from {', '.join(sorted(available))}.")
     destination = Path(args.destination)
     if destination.is_dir():
-        destination = destination / f"{name}.py"
+        destination = destination / f"{Path(name).name}.py"
     if destination.exists() and not args.force:
         print(f"amp-recipes: {destination} exists; pass --force to overwrite it.", file=sys.stderr)
         return 1

@@ -1,15 +1,16 @@
 """The recipe against the loops people would otherwise run, on the same work.
 
     python scripts/compare_loops.py --arms recipe_monitor,trainer_padded,trainer --repeats 2  # vs transformers.Trainer
-    python scripts/compare_loops.py --arms bare,recipe --max_train_steps 60 --repeats 8  # recipe overhead
+    python scripts/compare_loops.py --arms minimal,recipe --max_train_steps 60 --repeats 8  # recipe overhead
 
 Arms (each run in its own fresh process, with the same model, data, hyperparameters, epochs and
 seed; the order of the arms reverses every repeat, so a slow drift of the machine's speed weighs
 on every arm alike):
 - recipe:          recipes/bert_glue.py with --activation_monitor_interval 0 (the fp16 range monitor off)
 - recipe_monitor:  recipes/bert_glue.py with its defaults (the monitor samples one forward in 100)
-- bare:            a minimal hand-written accelerate loop over the recipe's own batches (same
-                   tokenisation, collator, shuffling, fused AdamW, schedule and clipping; nothing else)
+- minimal:         recipes/minimal/bert_glue.py, the textbook loop in plain PyTorch (torch.autocast,
+                   GradScaler) over the recipe's own batches (same tokenisation, collator, shuffling,
+                   fused AdamW, schedule and clipping; nothing else)
 - trainer_padded:  transformers.Trainer as transformers' own GLUE example (run_glue.py) runs it by
                    default: every sequence padded to --max_seq_length (its pad_to_max_length=True),
                    the other TrainingArguments at their defaults
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import statistics
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ARMS = ("recipe", "recipe_monitor", "bare", "trainer", "trainer_padded")
+ARMS = ("recipe", "recipe_monitor", "minimal", "trainer", "trainer_padded")
 SHARED_FLAGS = (  # passed to every arm, with the same meaning
     "task_name",
     "data_dir",
@@ -98,83 +98,6 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- workers (child processes)
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def bare_worker(spec: dict) -> dict:
-    """The minimal accelerate loop: what the recipe's step costs without its telemetry."""
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, set_seed
-    from torch.utils.data import DataLoader
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
-
-    from amp_recipes.data import first_rows, load_glue, make_collator, tokenize_splits
-    from amp_recipes.optim import optimizer_grouped_parameters
-
-    accumulation = spec.get("gradient_accumulation_steps", 1)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=accumulation,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-    )
-    set_seed(spec["seed"])
-    task = load_glue(spec["task_name"], spec["data_dir"])
-    task.splits["train"] = first_rows(task.splits["train"], spec.get("max_train_samples"))
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_name_or_path"])
-    train = tokenize_splits(task, tokenizer, spec["max_seq_length"])["train"]
-    loader = DataLoader(
-        train,
-        batch_size=spec["per_device_train_batch_size"],
-        shuffle=True,
-        collate_fn=make_collator(tokenizer, accelerator.mixed_precision),
-        generator=torch.Generator().manual_seed(spec["seed"]),
-    )
-    model = AutoModelForSequenceClassification.from_pretrained(
-        spec["model_name_or_path"], num_labels=task.num_labels, dtype=torch.float32
-    )
-    # The recipe's default kernel (fused AdamW), so that only the loop around it differs.
-    optimizer = torch.optim.AdamW(
-        optimizer_grouped_parameters(model, spec["weight_decay"]), lr=spec["learning_rate"], fused=True
-    )
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    steps = spec["max_train_steps"] or math.ceil(len(loader) / accumulation) * spec["num_train_epochs"]
-    scheduler = accelerator.prepare(
-        get_scheduler("linear", optimizer, int(spec["warmup_ratio"] * steps), steps)
-    )
-    model.train()
-    done, tokens, positions, losses, started = 0, 0, 0, [], time.perf_counter()
-    for epoch in range(spec["num_train_epochs"] if not spec["max_train_steps"] else 10**6):
-        loader.set_epoch(epoch)
-        for batch in loader:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            losses.append(loss.detach())  # one per batch (accumulated batches: several per step)
-            tokens += batch["attention_mask"].sum()
-            positions += batch["attention_mask"].numel()
-            if not accelerator.sync_gradients:
-                continue
-            done += 1
-            if done == steps:
-                break
-        if done == steps:
-            break
-    tokens = int(tokens)  # the loop's only sync, after it
-    seconds = time.perf_counter() - started
-    if spec.get("save_weights"):  # the final weights, for tests/scripts/test_compare_loops.py
-        accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(spec["work_dir"])
-    return {
-        "train_steps": done,
-        "train_seconds": seconds,
-        "train_tokens": tokens,
-        "padding_fraction": 1 - tokens / positions,
-        "loss": float(loss),
-        "losses": torch.stack(losses).tolist(),
-    }
 
 
 def trainer_worker(spec: dict, pad_to_max_length: bool) -> dict:
@@ -262,7 +185,7 @@ def trainer_worker(spec: dict, pad_to_max_length: bool) -> dict:
 def run_worker(value: str) -> None:
     arm, spec_path, result_path = value.split(",")
     spec = json.loads(Path(spec_path).read_text())
-    result = bare_worker(spec) if arm == "bare" else trainer_worker(spec, arm == "trainer_padded")
+    result = trainer_worker(spec, arm == "trainer_padded")
     result["peak_rss_bytes"] = peak_rss_bytes()
     Path(result_path).write_text(json.dumps(result))
 
@@ -271,8 +194,9 @@ def run_worker(value: str) -> None:
 def run_arm(args, arm: str, work_dir: Path) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     spec = {name: getattr(args, name) for name in (*SHARED_FLAGS, "max_train_steps")}
-    if arm.startswith("recipe"):
-        command = [sys.executable, str(REPO / "recipes" / "bert_glue.py"), "--output_dir", str(work_dir)]
+    if arm.startswith("recipe") or arm == "minimal":
+        script = REPO / "recipes" / ("minimal/bert_glue.py" if arm == "minimal" else "bert_glue.py")
+        command = [sys.executable, str(script), "--output_dir", str(work_dir)]
         for name in SHARED_FLAGS:
             command += [f"--{name}", str(spec[name])]
         if args.max_train_steps:
@@ -288,7 +212,16 @@ def run_arm(args, arm: str, work_dir: Path) -> dict:
     wall = time.perf_counter() - started
     if completed.returncode != 0:
         raise SystemExit(f"arm {arm} failed:\n{completed.stderr[-3000:]}")
-    if arm.startswith("recipe"):
+    if arm == "minimal":
+        out = json.loads((work_dir / "eval_results.json").read_text())
+        result = {
+            "train_steps": out["train_steps"],
+            "train_seconds": out["train_runtime_seconds"],
+            **{k: out[k] for k in ("train_tokens", "padding_fraction")},
+            "peak_rss_bytes": out["peak_memory_bytes"],
+            **{k: out[k] for k in ("eval_accuracy", "eval_f1") if k in out and not args.max_train_steps},
+        }
+    elif arm.startswith("recipe"):
         out = json.loads((work_dir / "eval_results.json").read_text())
         result = {
             "train_steps": out["train_steps"],

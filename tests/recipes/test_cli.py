@@ -23,15 +23,19 @@ def test_ls_lists_every_recipe_with_what_it_does_and_its_command(tmp_path):
     listing = sh([*CLI, "ls"], tmp_path)
     assert listing.returncode == 0, listing.stderr
     lines = listing.stdout.splitlines()
-    assert lines[0].startswith("bert_glue") and "GLUE task" in lines[0]
-    assert lines[1].strip().startswith("accelerate launch recipes/bert_glue.py")
-    assert lines[2].startswith("bert_mlm") and "masked-language-model" in lines[2]
-    assert lines[3].strip().startswith("accelerate launch recipes/bert_mlm.py")
-    assert lines[4].startswith("bert_ner") and "named-entity recognition" in lines[4]
-    assert lines[5].strip().startswith("accelerate launch recipes/bert_ner.py")
-    assert lines[6].startswith("bert_qa") and "extractive question answering" in lines[6]
-    assert lines[7].strip().startswith("accelerate launch recipes/bert_qa.py")
-    assert len(lines) == 8
+    assert lines[0].startswith("# full recipes: accelerate runs AMP")
+    assert lines[1].startswith("bert_glue") and "GLUE task" in lines[1]
+    assert lines[2].strip().startswith("accelerate launch recipes/bert_glue.py")
+    assert lines[3].startswith("bert_mlm") and "masked-language-model" in lines[3]
+    assert lines[4].strip().startswith("accelerate launch recipes/bert_mlm.py")
+    assert lines[5].startswith("bert_ner") and "named-entity recognition" in lines[5]
+    assert lines[6].strip().startswith("accelerate launch recipes/bert_ner.py")
+    assert lines[7].startswith("bert_qa") and "extractive question answering" in lines[7]
+    assert lines[8].strip().startswith("accelerate launch recipes/bert_qa.py")
+    assert lines[9].startswith("# minimal tier: one device, plain PyTorch")
+    assert lines[10].startswith("minimal/bert_glue") and "textbook mixed-precision loop" in lines[10]
+    assert lines[11].strip().startswith("python recipes/minimal/bert_glue.py")
+    assert len(lines) == 12
     # The installed console script (requirements.txt installs the package) gives the same listing.
     (entry,) = [e for e in entry_points(group="console_scripts") if e.name == "amp-recipes"]
     assert entry.value == "amp_recipes.cli:main"
@@ -53,10 +57,16 @@ def test_cp_copies_refuses_to_overwrite_and_says_what_to_run(tmp_path):
     assert target.read_text().startswith('"""Fine-tune')
     into_folder = sh([*CLI, "cp", "bert_mlm.py", tmp_path], tmp_path)
     assert into_folder.returncode == 0 and (tmp_path / "bert_mlm.py").is_file()
+    minimal = sh([*CLI, "cp", "minimal/bert_glue", tmp_path], tmp_path)  # the minimal tier, into a folder
+    assert minimal.returncode == 0, minimal.stderr
+    assert (tmp_path / "bert_glue.py").read_text() == (
+        REPO / "recipes" / "minimal" / "bert_glue.py"
+    ).read_text()
+    assert f"python {tmp_path / 'bert_glue.py'} --task_name mrpc --mixed_precision fp16" in minimal.stdout
     unknown = sh([*CLI, "cp", "gpt_pretrain", target], tmp_path)
-    assert (
-        unknown.returncode == 2
-        and "no recipe 'gpt_pretrain'; choose from bert_glue, bert_mlm, bert_ner, bert_qa" in unknown.stderr
+    assert unknown.returncode == 2 and (
+        "no recipe 'gpt_pretrain'; choose from bert_glue, bert_mlm, bert_ner, bert_qa, minimal/bert_glue"
+        in unknown.stderr
     )
 
 
