@@ -1,6 +1,7 @@
-"""Reading a user's data file: existence, UTF-8, the format its suffix names, and one `InputError`
-naming the file and the line when it cannot be read. Shared by every task module (`data`, `ner`,
-`qa`), which add their own column and label checks."""
+"""Where a task's data comes from: a user's data file (existence, UTF-8, the format its suffix
+names, and one `InputError` naming the file and the line when it cannot be read) or a Hub dataset
+(one `InputError` naming it, and how to work offline instead). Shared by every task module (`glue`,
+`mlm`, `ner`, `qa`), which add their own column and label checks."""
 
 from __future__ import annotations
 
@@ -118,3 +119,15 @@ def load_user_file(path: str, cache_dir: str | None, builders=FILE_BUILDERS) -> 
             f"name the file after its delimiter (.csv for commas, .tsv for tabs)."
         )
     return table
+
+
+def load_hub_dataset(name: str, *config: str, what: str | None = None, offline: str, **kwargs):
+    """`datasets.load_dataset(name, *config, **kwargs)` from the Hub; any failure is one InputError
+    that names the dataset (`what`, default `name`) and says, in `offline`, how to work from local
+    files instead."""
+    try:
+        return datasets.load_dataset(name, *config, **kwargs)
+    except Exception as error:  # connection, offline-mode and missing-cache errors differ by version
+        raise InputError(
+            f"Could not load {what or name} from the Hugging Face Hub ({type(error).__name__}). Offline? {offline}"
+        ) from error

@@ -17,9 +17,9 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .data import check_max_length, load_hub_dataset
+from .batches import check_max_length
 from .errors import InputError
-from .files import check_file, load_user_file
+from .files import check_file, load_hub_dataset, load_user_file
 
 HUB_DATASETS = {False: "rajpurkar/squad", True: "rajpurkar/squad_v2"}  # by --version_2_with_negative
 JSON_BUILDERS = {".json": "json", ".jsonl": "json"}

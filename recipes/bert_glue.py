@@ -25,19 +25,11 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
 from amp_recipes.arguments import add_shared_args, add_worker_args, check_ranges, check_shared_args
+from amp_recipes.batches import first_rows, loader_settings, train_sampler
 from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
 from amp_recipes.compile import CompileMonitor, dynamo_plugin
-from amp_recipes.data import (
-    GLUE_TASKS,
-    first_rows,
-    load_glue,
-    load_user_files,
-    loader_settings,
-    make_collator,
-    tokenize_splits,
-    train_sampler,
-)
 from amp_recipes.errors import TrainingDiverged, model_load_errors, one_sentence_errors
+from amp_recipes.glue import GLUE_TASKS, load_glue, load_user_files, make_collator, tokenize_splits
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.metrics import load_metric
 from amp_recipes.optim import check_every_parameter_trains, make_optimizer, training_schedule

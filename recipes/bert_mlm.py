@@ -27,17 +27,12 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForMaskedLM, AutoTokenizer, get_scheduler
 
 from amp_recipes.arguments import add_shared_args, add_worker_args, check_ranges, check_shared_args
+from amp_recipes.batches import loader_settings, pad_multiple
 from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
 from amp_recipes.compile import CompileMonitor, dynamo_plugin
-from amp_recipes.data import (
-    SeededMaskCollator,
-    load_text_files,
-    loader_settings,
-    pad_multiple,
-    tokenize_and_group,
-)
 from amp_recipes.errors import TrainingDiverged, model_load_errors, one_sentence_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
+from amp_recipes.mlm import SeededMaskCollator, load_text_files, tokenize_and_group
 from amp_recipes.optim import check_every_parameter_trains, make_optimizer, training_schedule
 from amp_recipes.outputs import claim_output_dir, plain_state_dict
 from amp_recipes.precision import (

@@ -33,9 +33,9 @@ from transformers import (
 )
 
 from amp_recipes.arguments import add_shared_args, add_worker_args, check_ranges, check_shared_args
+from amp_recipes.batches import first_rows, loader_settings, pad_multiple, train_sampler
 from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
 from amp_recipes.compile import CompileMonitor, dynamo_plugin
-from amp_recipes.data import first_rows, loader_settings, pad_multiple, train_sampler
 from amp_recipes.errors import TrainingDiverged, model_load_errors, one_sentence_errors
 from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
 from amp_recipes.metrics import load_metric

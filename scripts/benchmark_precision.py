@@ -180,7 +180,7 @@ def make_batches(config: dict, model_config, batch_size: int, count: int):
     if config["task_name"]:
         from transformers import AutoTokenizer
 
-        from amp_recipes.data import load_glue
+        from amp_recipes.glue import load_glue
 
         task = load_glue(config["task_name"], config["data_dir"])
         tokenizer = AutoTokenizer.from_pretrained(

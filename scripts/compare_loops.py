@@ -112,7 +112,7 @@ def trainer_worker(spec: dict, pad_to_max_length: bool) -> dict:
         TrainingArguments,
     )
 
-    from amp_recipes.data import load_glue, tokenize_splits
+    from amp_recipes.glue import load_glue, tokenize_splits
     from amp_recipes.metrics import load_metric
 
     task = load_glue(spec["task_name"], spec["data_dir"])

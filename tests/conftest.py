@@ -103,6 +103,21 @@ def accelerate_launch(*args):
     return [sys.executable, "-m", "accelerate.commands.launch", *args]
 
 
+# CI's time is set by CPU, not by waiting: AMP_TEST_CPU_LOG=<file> appends each test's CPU seconds
+# (this process and every finished subprocess under it, set-up and teardown included), its wall
+# seconds and its id, tab-separated, to <file>: `sort -rn <file> | head` lists what to cut first.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = os.environ.get("AMP_TEST_CPU_LOG")
+    before = os.times()
+    yield
+    if log:
+        after = os.times()
+        cpu = sum(after[:4]) - sum(before[:4])  # user + system, self + reaped children
+        with open(log, "a") as handle:
+            handle.write(f"{cpu:.1f}\t{after.elapsed - before.elapsed:.1f}\t{item.nodeid}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu`-marked tests need CUDA: skip them cleanly elsewhere."""
     import pytest

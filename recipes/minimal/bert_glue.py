@@ -25,7 +25,7 @@ from transformers import (
     get_scheduler,
 )
 
-from amp_recipes.data import first_rows, load_glue, tokenize_splits  # the task's data
+from amp_recipes import batches, glue  # the task's data: loaded, tokenised
 from amp_recipes.metrics import load_metric  # the task's GLUE metric, shipped so it works offline
 
 DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -56,10 +56,10 @@ def main(argv=None):
 
     # ------------------------------------------------------------------------- data
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    task = load_glue(args.task_name, args.data_dir)
-    task.splits["train"] = first_rows(task.splits["train"], args.max_train_samples)
-    task.splits["validation"] = first_rows(task.splits["validation"], args.max_eval_samples)
-    tokenized = tokenize_splits(task, tokenizer, args.max_seq_length)
+    task = glue.load_glue(args.task_name, args.data_dir)
+    task.splits["train"] = batches.first_rows(task.splits["train"], args.max_train_samples)
+    task.splits["validation"] = batches.first_rows(task.splits["validation"], args.max_eval_samples)
+    tokenized = glue.tokenize_splits(task, tokenizer, args.max_seq_length)
     # AMP: fp16/bf16 batches padded to a multiple of 8, the shapes Tensor Cores run fastest.
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if amp else None)
     sampler = RandomSampler(tokenized["train"], generator=torch.Generator())  # reseeded every epoch

@@ -132,7 +132,7 @@ def scores(results: dict) -> dict:
     return {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, int | float)}
 
 
-# The two-process rows take ~35 s each: CI runs them in its second lane (`slow`, see .ci/run).
+# The two-process rows take ~35 s each: CI runs them in its `slow` lane (see .ci/run).
 ROWS = [pytest.param(mode, marks=pytest.mark.slow) if MODES[mode][1] else mode for mode in MODES]
 
 

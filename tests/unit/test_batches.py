@@ -8,7 +8,8 @@ import torch
 from conftest import GLUE_DIR, TINY_BERT
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from amp_recipes.data import load_glue, make_collator, tokenize_splits, train_sampler
+from amp_recipes.batches import train_sampler
+from amp_recipes.glue import load_glue, make_collator, tokenize_splits
 from amp_recipes.optim import optimizer_grouped_parameters
 from amp_recipes.records import RunRecord, write_json_atomic
 
@@ -106,7 +107,7 @@ def test_tokenisation_is_cached_by_datasets_and_never_stale(tmp_path, monkeypatc
 
 
 def test_padding_multiple_of_each_precision():
-    from amp_recipes.data import pad_multiple
+    from amp_recipes.batches import pad_multiple
 
     # 8 for fp16/bf16 Tensor Cores; 16 for fp8, torch._scaled_mm's requirement on every matmul
     # dimension, batch x sequence included (the inner dimension of the weight gradient's).

@@ -6,7 +6,8 @@ import json
 import pytest
 from conftest import GLUE_DIR
 
-from amp_recipes.data import GLUE_TASKS, InputError, get_task, load_glue, load_user_files
+from amp_recipes.errors import InputError
+from amp_recipes.glue import GLUE_TASKS, get_task, load_glue, load_user_files
 
 # Row counts from data/README.md; first/last rows copied from the files by hand.
 REAL_TASKS = {

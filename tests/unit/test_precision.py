@@ -9,7 +9,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 
 from amp_recipes import precision
-from amp_recipes.data import InputError
+from amp_recipes.errors import InputError
 from amp_recipes.hardware import device_facts, hardware_record, tf32_matmul_enabled
 from amp_recipes.precision import (
     check_model_dtype,

@@ -1,5 +1,6 @@
 """The repository's docs and configs match the code."""
 
+import difflib
 import hashlib
 import os
 import re
@@ -175,6 +176,112 @@ def test_the_recipes_mark_the_same_precision_lines():
     ]
 
 
+# Where each recipe's main() may differ from bert_glue.py's, line for line (indentation and blank
+# lines aside): data loading, the model class, the eval loaders, the metric, the evaluate() call, the
+# run facts. Everything else is the same code in all four: a loop, checkpoint or precision change
+# made in one recipe only fails test_the_four_recipes_main_cannot_drift (accelerate's
+# tests/test_examples.py guards its examples the same way).
+# bert_glue.py's GLUE data, eval loaders, metric and evaluate() call, which every other recipe replaces.
+GLUE_LINES = [
+    "task, train_dataloader, eval_dataloaders = load_data(args, tokenizer, accelerator)",
+    "model, optimizer, train_dataloader, lr_scheduler, *eval_loaders = accelerator.prepare(",
+    "model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders.values()",
+    "eval_dataloaders = dict(zip(eval_dataloaders, eval_loaders, strict=True))",
+    'metric = load_metric("glue", task.metric_config)  # shipped with amp_recipes: works offline',
+    '"label_names": list(task.label_names or []),',
+    "scores = evaluate(model, eval_dataloaders, metric, accelerator, task.is_regression)",
+]
+MAIN_DIFFERENCES = {  # recipe: (bert_glue.py's lines besides GLUE_LINES, the recipe's lines in their place)
+    "bert_ner": (
+        [
+            "tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)",
+            "def run_evaluation(step, epoch):  # every eval split, logged; its time stays out of the throughput",
+        ],
+        [
+            "tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **tokenizer_kwargs(config))",
+            "task, train_dataloader, eval_dataloader, gold = load_data(args, tokenizer, accelerator)",
+            "model, optimizer, train_dataloader, lr_scheduler, eval_dataloader = accelerator.prepare(",
+            "model, optimizer, train_dataloader, lr_scheduler, eval_dataloader",
+            'metric = load_metric("seqeval")  # shipped with amp_recipes: works offline',
+            '"label_names": list(task.label_names),',
+            '"tag_scheme": task.scheme,',
+            "def run_evaluation(step, epoch):  # entity F1 over the words, logged; its time stays out of the throughput",
+            "scores = evaluate(model, eval_dataloader, metric, accelerator, gold, task.label_names)",
+        ],
+    ),
+    "bert_qa": (
+        [
+            "config = AutoConfig.from_pretrained(args.model_name_or_path)",
+            "model = load_model(args, config, task)",
+            "def run_evaluation(step, epoch):  # every eval split, logged; its time stays out of the throughput",
+        ],
+        [
+            "config = AutoConfig.from_pretrained(args.model_name_or_path)",
+            "task, train_dataloader, eval_dataloader, gold = load_data(args, tokenizer, accelerator)",
+            "model = load_model(args, config)",
+            "model, optimizer, train_dataloader, lr_scheduler, eval_dataloader = accelerator.prepare(",
+            "model, optimizer, train_dataloader, lr_scheduler, eval_dataloader",
+            'metric = load_metric("squad", "v2" if args.version_2_with_negative else "v1")  # shipped: works offline',
+            '"version_2_with_negative": args.version_2_with_negative,',
+            '"version_2_with_negative": args.version_2_with_negative,',
+            "def run_evaluation(step, epoch):  # exact match and F1, logged; its time stays out of the throughput",
+            "scores = evaluate(model, eval_dataloader, metric, accelerator, gold, args)",
+        ],
+    ),
+    "bert_mlm": (
+        [
+            "config = AutoConfig.from_pretrained(args.model_name_or_path)",
+            "model = load_model(args, config, task)",
+            "run_kind = {",
+            '"task_name": task.name,',
+            '"model": f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}",',
+            '"seed": args.seed,',
+            "}",
+            '"task_name": task.name,',
+            'results = {"epoch": epoch, **scores}',
+        ],
+        [
+            "train_dataloader, eval_dataloader = load_data(args, tokenizer, accelerator)",
+            "with model_load_errors(args.model_name_or_path):",
+            "# AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts per operation.",
+            "model = AutoModelForMaskedLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)",
+            "config = model.config",
+            "model, optimizer, train_dataloader, lr_scheduler, eval_dataloader = accelerator.prepare(",
+            "model, optimizer, train_dataloader, lr_scheduler, eval_dataloader",
+            'model_shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"',
+            'run_kind = {"objective": "mlm", "model": model_shape, "seed": args.seed}',
+            "scores = evaluate(model, eval_dataloader, accelerator)",
+            'results = {"epoch": epoch, **{f"eval_{name}": value for name, value in scores.items()}}',
+        ],
+    ),
+}
+
+
+def main_lines(recipe: str) -> list[str]:
+    text = (RECIPES / f"{recipe}.py").read_text()
+    main = text[text.index("def main(") : text.index('if __name__ == "__main__":')]
+    return [line.strip() for line in main.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("recipe", list(MAIN_DIFFERENCES))
+def test_the_four_recipes_main_cannot_drift(recipe):
+    diff = list(difflib.ndiff(main_lines("bert_glue"), main_lines(recipe)))
+    removed = [line[2:] for line in diff if line.startswith("- ")]
+    added = [line[2:] for line in diff if line.startswith("+ ")]
+    glue_lines, declared_added = MAIN_DIFFERENCES[recipe]
+    declared_removed = [*GLUE_LINES, *glue_lines]
+    assert (sorted(removed), added) == (sorted(declared_removed), declared_added), (
+        f"{recipe}.py's main() differs from bert_glue.py's beyond the declared differences: make the "
+        "change in all four recipes, or declare it in MAIN_DIFFERENCES.\n"
+        + "\n".join(
+            line
+            for line in diff
+            if line.startswith(("- ", "+ "))
+            and line[2:] not in (declared_removed if line.startswith("- ") else declared_added)
+        )
+    )
+
+
 def test_main_reads_in_five_minutes():
     for recipe in ("bert_glue", "bert_mlm", "bert_ner", "bert_qa"):
         text = (RECIPES / f"{recipe}.py").read_text()
@@ -298,7 +405,7 @@ def test_a_copy_of_the_checkout_with_nothing_beside_it_reads_its_data(tmp_path):
 
 
 def test_no_library_module_imports_another_modules_private_names():
-    """What one module of amp_recipes shares with another is public: no `from .data import _x`."""
+    """What one module of amp_recipes shares with another is public: no `from .glue import _x`."""
     import ast
 
     offenders = []

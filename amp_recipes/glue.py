@@ -1,5 +1,7 @@
-"""The recipes' data: GLUE (Hub, `$GLUE_DIR` folder) or the user's own files, loaded and checked,
-then tokenised, collated and batched.
+"""GLUE and your own classification data, end to end: the task table, loading (the classic GLUE
+TSV folder, the Hub, or your csv / tsv / json / jsonl files) with their column and label checks,
+tokenisation (datasets' cache) and the collator. The metric is the shipped `glue` module
+(`amp_recipes.metrics`).
 
 Every source is normalised to the Hub's column names (`sentence1`, `question`, ...) plus `label`:
 an int class id in the Hub's label order, or a float for regression. That way a model fine-tuned
@@ -9,19 +11,17 @@ from local TSV files has the same `id2label` as one fine-tuned from the Hub.
 from __future__ import annotations
 
 import csv
-import hashlib
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-import torch
-from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
-from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers import DataCollatorWithPadding
 
+from .batches import check_max_length, pad_multiple
 from .errors import InputError
-from .files import FILE_BUILDERS, load_user_file, read_file
+from .files import load_hub_dataset, load_user_file, read_file
 
 
 @dataclass(frozen=True)
@@ -227,18 +227,6 @@ def load_glue_from_dir(task: GlueTask, data_dir, cache_dir: str | None = None) -
     )
 
 
-def load_hub_dataset(name: str, *config: str, what: str | None = None, offline: str, **kwargs):
-    """`datasets.load_dataset(name, *config, **kwargs)` from the Hub; any failure is one InputError
-    that names the dataset (`what`, default `name`) and says, in `offline`, how to work from local
-    files instead."""
-    try:
-        return datasets.load_dataset(name, *config, **kwargs)
-    except Exception as error:  # connection, offline-mode and missing-cache errors differ by version
-        raise InputError(
-            f"Could not load {what or name} from the Hugging Face Hub ({type(error).__name__}). Offline? {offline}"
-        ) from error
-
-
 def load_glue_from_hub(task: GlueTask, cache_dir: str | None = None) -> datasets.DatasetDict:
     raw = load_hub_dataset(
         "nyu-mll/glue",
@@ -407,69 +395,11 @@ def load_user_files(
     )
 
 
-def load_text_files(
-    train_file: str,
-    validation_file: str | None = None,
-    text_column: str = "text",
-    validation_percentage: float = 5.0,
-    seed: int = 42,
-    cache_dir: str | None = None,
-) -> datasets.DatasetDict:
-    """Unlabelled text for language-model training: `.txt` (one text per line, empty lines
-    dropped) or a text column of `.csv`/`.tsv`/`.json`/`.jsonl`. Without a validation file,
-    `validation_percentage` of the texts are held out (seeded split)."""
-
-    def read(path: str) -> datasets.Dataset:
-        table = load_user_file(path, cache_dir, {".txt": "text", **FILE_BUILDERS})
-        if Path(path).suffix.lower() != ".txt":
-            if text_column not in table.column_names:
-                raise InputError(
-                    f"{path} has no column {text_column!r}; found {table.column_names}. Use --text_column."
-                )
-            table = (
-                table.select_columns([text_column]).rename_column(text_column, "text")
-                if text_column != "text"
-                else table.select_columns(["text"])
-            )
-        table = table.filter(
-            lambda row: isinstance(row["text"], str) and bool(row["text"].strip()),
-            desc="Dropping empty texts",
-        )
-        if table.num_rows == 0:
-            raise InputError(f"{path} holds no text.")
-        return table
-
-    train = read(train_file)
-    if validation_file:
-        return datasets.DatasetDict({"train": train, "validation": read(validation_file)})
-    if not 0 < validation_percentage < 100:
-        raise InputError(
-            "--validation_split_percentage must be between 0 and 100 (or give --validation_file)."
-        )
-    held_out = max(1, round(train.num_rows * validation_percentage / 100))
-    if held_out >= train.num_rows:
-        raise InputError(f"{train_file} has too few texts ({train.num_rows}) to hold out a validation split.")
-    split = train.train_test_split(test_size=held_out, seed=seed)
-    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
-
-
-def first_rows(table: datasets.Dataset, limit: int | None) -> datasets.Dataset:
-    """The first `limit` rows (all of them when `limit` is None): --max_train/eval_samples."""
-    return table.select(range(min(limit, table.num_rows))) if limit else table
-
-
-# ----------------------------------------------------------------------------- tokenisation
+# ----------------------------------------------------------------------------- tokenisation and batches
 # `datasets.map` caches each result on disk under a fingerprint of its input and of the function
 # with everything it refers to (dill-pickled), so a second identical run reads the cache and any
 # change (another max_seq_length, tokenizer or column) tokenises again. Pickling the tokenizer
 # for that fingerprint costs ~0.2 s per map for MiniLM's: slow, but never stale.
-def check_max_length(tokenizer, max_seq_length: int) -> None:
-    if max_seq_length > tokenizer.model_max_length:
-        raise InputError(
-            f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
-        )
-
-
 def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: int | None = None):
     """Tokenise every split (one sentence or a pair) with labels. No padding here: the collator
     pads each batch to its own longest sequence."""
@@ -492,119 +422,5 @@ def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: in
     )
 
 
-def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | None = None):
-    """Language-model inputs: tokenise each text (with its special tokens), concatenate them and
-    cut blocks of max_seq_length tokens, so no compute goes to padding. A split too short for one
-    block keeps what it has as a single shorter block."""
-    check_max_length(tokenizer, max_seq_length)
-
-    def tokenize(batch):
-        return tokenizer(batch["text"], return_special_tokens_mask=True)
-
-    def group(batch):
-        columns = {key: sum(batch[key], []) for key in batch}
-        total = len(columns["input_ids"])
-        usable = (total // max_seq_length) * max_seq_length or total
-        return {
-            key: [values[i : i + max_seq_length] for i in range(0, usable, max_seq_length)]
-            for key, values in columns.items()
-        }
-
-    tokenized = splits.map(
-        tokenize,
-        batched=True,
-        remove_columns=splits["train"].column_names,
-        num_proc=num_proc,
-        desc="Tokenizing",
-    )
-    return tokenized.map(
-        group,
-        batched=True,
-        batch_size=1000,
-        num_proc=num_proc,
-        desc=f"Grouping into blocks of {max_seq_length}",
-    )
-
-
-# ----------------------------------------------------------------------------- batches
-def pad_multiple(mixed_precision: str) -> int | None:
-    """Tensor Cores run fp16/bf16 matmuls fastest on dimensions that are multiples of 8, so
-    reduced-precision batches are padded up to one; fp32 pads to the longest sequence. fp8 matmuls
-    (torch._scaled_mm) need multiples of 16, and batch x sequence is the inner dimension of the
-    weight gradient's: padded here, torchao need not pad every one of those matmuls itself."""
-    if mixed_precision == "fp8":
-        return 16
-    return 8 if mixed_precision in ("fp16", "bf16") else None
-
-
 def make_collator(tokenizer, mixed_precision: str):
     return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(mixed_precision))
-
-
-class SeededMaskCollator(DataCollatorForLanguageModeling):
-    """transformers' masked-LM collator (BERT-style masks) whose masks are drawn, block by block,
-    from a generator seeded by the run's seed and the block's own tokens.
-
-    The stock collator draws from the global RNG (or one generator stream), and accelerate's
-    DataLoader builds each batch one step ahead, so a checkpoint's RNG state already holds the next
-    batch's masks: a resumed run would mask differently, and its dropout would shift too. Keyed on
-    each block's tokens (padding left out), a block gets the same masks wherever and whenever it is
-    built (one batch ahead, in a worker, after a resume, in each evaluation) and whatever batch it
-    is in: with two processes the last evaluation batch is filled up with repeated blocks, and the
-    held-out loss must still score the same masked tokens as one process does. The global RNG
-    stays the training's alone."""
-
-    def __init__(self, tokenizer, mlm_probability: float, pad_to_multiple_of: int | None, seed: int):
-        super().__init__(tokenizer, mlm_probability=mlm_probability, pad_to_multiple_of=pad_to_multiple_of)
-        self.mask_seed = seed
-
-    def torch_mask_tokens(self, inputs, special_tokens_mask=None, offset_mapping=None):
-        labels = torch.full_like(inputs, -100)
-        for row, tokens in enumerate(inputs):
-            length = len(tokens)  # without the padding at the end
-            while length and tokens[length - 1] == self.tokenizer.pad_token_id:
-                length -= 1
-            digest = hashlib.blake2b(str(self.mask_seed).encode(), digest_size=8)
-            digest.update(tokens[:length].to(torch.int64).numpy().tobytes())
-            self.generator = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
-            special = None if special_tokens_mask is None else special_tokens_mask[row : row + 1, :length]
-            masked, row_labels = super().torch_mask_tokens(tokens[None, :length].clone(), special)
-            inputs[row, :length], labels[row, :length] = masked[0], row_labels[0]
-        return inputs, labels
-
-
-def loader_settings(accelerator, collator, num_workers: int | None) -> dict:
-    """DataLoader keyword arguments shared by a recipe's loaders: on CUDA, pinned memory and (by
-    default) 2 worker processes that build batches while the GPU computes; none elsewhere."""
-    on_cuda = accelerator.device.type == "cuda"
-    num_workers = num_workers if num_workers is not None else 2 * on_cuda
-    return {
-        "collate_fn": collator,
-        "pin_memory": on_cuda,
-        "num_workers": num_workers,
-        "persistent_workers": num_workers > 0,  # no worker restart each epoch
-    }
-
-
-def train_sampler(dataset, batch_size: int, group_by_length: bool, seed: int):
-    """None (the DataLoader shuffles) or a sampler that batches sequences of similar length.
-
-    Grouping cuts padding, hence wasted compute, at the price of less random batches.
-    """
-    if not group_by_length:
-        return None
-    return EpochLengthGroupedSampler(
-        batch_size, lengths=[len(ids) for ids in dataset["input_ids"]], seed=seed
-    )
-
-
-class EpochLengthGroupedSampler(LengthGroupedSampler):
-    """transformers' length-grouped sampler, reseeded from (seed, epoch) like accelerate's seedable
-    sampler, so a run resumed mid-epoch sees the same batches as an uninterrupted one."""
-
-    def __init__(self, batch_size: int, lengths: list[int], seed: int):
-        super().__init__(batch_size, lengths=lengths, generator=torch.Generator().manual_seed(seed))
-        self.seed = seed
-
-    def set_epoch(self, epoch: int) -> None:  # accelerate's DataLoaderShard calls it each epoch
-        self.generator.manual_seed(self.seed + epoch)

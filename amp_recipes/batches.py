@@ -1,0 +1,70 @@
+"""What every task shares between its tokenised data and the training loop: the first N rows,
+the tokenizer's length check, padding to a multiple of 8 (16 for fp8), the DataLoader settings and
+the length-grouped sampler."""
+
+from __future__ import annotations
+
+import datasets
+import torch
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from .errors import InputError
+
+
+def first_rows(table: datasets.Dataset, limit: int | None) -> datasets.Dataset:
+    """The first `limit` rows (all of them when `limit` is None): --max_train/eval_samples."""
+    return table.select(range(min(limit, table.num_rows))) if limit else table
+
+
+def check_max_length(tokenizer, max_seq_length: int) -> None:
+    if max_seq_length > tokenizer.model_max_length:
+        raise InputError(
+            f"--max_seq_length {max_seq_length} is longer than the model's limit of {tokenizer.model_max_length}."
+        )
+
+
+def pad_multiple(mixed_precision: str) -> int | None:
+    """Tensor Cores run fp16/bf16 matmuls fastest on dimensions that are multiples of 8, so
+    reduced-precision batches are padded up to one; fp32 pads to the longest sequence. fp8 matmuls
+    (torch._scaled_mm) need multiples of 16, and batch x sequence is the inner dimension of the
+    weight gradient's: padded here, torchao need not pad every one of those matmuls itself."""
+    if mixed_precision == "fp8":
+        return 16
+    return 8 if mixed_precision in ("fp16", "bf16") else None
+
+
+def loader_settings(accelerator, collator, num_workers: int | None) -> dict:
+    """DataLoader keyword arguments shared by a recipe's loaders: on CUDA, pinned memory and (by
+    default) 2 worker processes that build batches while the GPU computes; none elsewhere."""
+    on_cuda = accelerator.device.type == "cuda"
+    num_workers = num_workers if num_workers is not None else 2 * on_cuda
+    return {
+        "collate_fn": collator,
+        "pin_memory": on_cuda,
+        "num_workers": num_workers,
+        "persistent_workers": num_workers > 0,  # no worker restart each epoch
+    }
+
+
+def train_sampler(dataset, batch_size: int, group_by_length: bool, seed: int):
+    """None (the DataLoader shuffles) or a sampler that batches sequences of similar length.
+
+    Grouping cuts padding, hence wasted compute, at the price of less random batches.
+    """
+    if not group_by_length:
+        return None
+    return EpochLengthGroupedSampler(
+        batch_size, lengths=[len(ids) for ids in dataset["input_ids"]], seed=seed
+    )
+
+
+class EpochLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' length-grouped sampler, reseeded from (seed, epoch) like accelerate's seedable
+    sampler, so a run resumed mid-epoch sees the same batches as an uninterrupted one."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        super().__init__(batch_size, lengths=lengths, generator=torch.Generator().manual_seed(seed))
+        self.seed = seed
+
+    def set_epoch(self, epoch: int) -> None:  # accelerate's DataLoaderShard calls it each epoch
+        self.generator.manual_seed(self.seed + epoch)
