@@ -24,16 +24,10 @@ from .errors import InputError
 from .files import load_hub_dataset, load_user_file, read_file
 
 
-@dataclass(frozen=True)
-class GlueTask:
-    name: str
-    text_columns: tuple[str, ...]  # Hub column names fed to the tokenizer (one sentence or a pair)
-    label_names: tuple[str, ...] | None  # Hub label order; None means regression
-    glue_dir: str  # folder name in the classic $GLUE_DIR layout
-    tsv_header: tuple[str, ...] | None  # column names for header-less files (CoLA)
-    tsv_columns: dict[str, str]  # Hub name -> TSV column name, "label" included
-    # Hub split -> TSV file; the first is the main validation split.
-    eval_splits: dict[str, str] = field(default_factory=lambda: {"validation": "dev.tsv"})
+class LabelCount:
+    """`is_regression` and `num_labels`, read from a `label_names` field (None means regression)."""
+
+    label_names: tuple[str, ...] | None
 
     @property
     def is_regression(self) -> bool:
@@ -42,6 +36,18 @@ class GlueTask:
     @property
     def num_labels(self) -> int:
         return 1 if self.is_regression else len(self.label_names)
+
+
+@dataclass(frozen=True)
+class GlueTask(LabelCount):
+    name: str
+    text_columns: tuple[str, ...]  # Hub column names fed to the tokenizer (one sentence or a pair)
+    label_names: tuple[str, ...] | None  # Hub label order; None means regression
+    glue_dir: str  # folder name in the classic $GLUE_DIR layout
+    tsv_header: tuple[str, ...] | None  # column names for header-less files (CoLA)
+    tsv_columns: dict[str, str]  # Hub name -> TSV column name, "label" included
+    # Hub split -> TSV file; the first is the main validation split.
+    eval_splits: dict[str, str] = field(default_factory=lambda: {"validation": "dev.tsv"})
 
 
 GLUE_TASKS: dict[str, GlueTask] = {
@@ -128,7 +134,7 @@ GLUE_TASKS: dict[str, GlueTask] = {
 
 
 @dataclass
-class TaskData:
+class TaskData(LabelCount):
     """What a recipe needs to know about its data, whatever the source."""
 
     name: str  # GLUE task name, or "custom"
@@ -137,14 +143,6 @@ class TaskData:
     label_names: tuple[str, ...] | None  # None means regression
     metric_config: str  # config name of amp_recipes/metrics/glue
     eval_splits: tuple[str, ...] = ("validation",)
-
-    @property
-    def is_regression(self) -> bool:
-        return self.label_names is None
-
-    @property
-    def num_labels(self) -> int:
-        return 1 if self.is_regression else len(self.label_names)
 
 
 def get_task(name: str) -> GlueTask:
