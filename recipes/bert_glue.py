@@ -12,39 +12,17 @@ import argparse
 import logging
 import math
 import os
-import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, InitProcessGroupKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, InitProcessGroupKwargs
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-from amp_recipes.arguments import add_shared_args, add_worker_args, check_ranges, check_shared_args
-from amp_recipes.batches import first_rows, loader_settings, train_sampler
-from amp_recipes.checkpoint import PreemptionHandler, resume, save_checkpoint
-from amp_recipes.compile import CompileMonitor, dynamo_plugin
-from amp_recipes.errors import TrainingDiverged, model_load_errors, one_sentence_errors
-from amp_recipes.glue import GLUE_TASKS, load_glue, load_user_files, make_collator, tokenize_splits
-from amp_recipes.meters import ThroughputMeter, peak_memory_bytes
-from amp_recipes.metrics import load_metric
-from amp_recipes.optim import check_every_parameter_trains, make_optimizer, training_schedule
-from amp_recipes.outputs import claim_output_dir, plain_state_dict
-from amp_recipes.precision import (
-    check_model_dtype,
-    fp8_layer_report,
-    fp8_recipe_kwargs,
-    log_fp8_report,
-    log_preflight,
-    preflight,
-    resolve_mixed_precision,
-)
-from amp_recipes.records import RunRecord, init_trackers, weights_fingerprint, write_final_figures
-from amp_recipes.telemetry import ActivationMonitor, StepTelemetry
+from amp_recipes import arguments, batches, compiling, errors, glue, metrics, optim, precision
+from amp_recipes.run import TrainingRun
 
 logger = get_logger(__name__)
 
@@ -53,7 +31,7 @@ logger = get_logger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     data = parser.add_argument_group("data")
-    data.add_argument("--task_name", choices=sorted(GLUE_TASKS), help="GLUE task (else --train_file).")
+    data.add_argument("--task_name", choices=sorted(glue.GLUE_TASKS), help="GLUE task (else --train_file).")
     data.add_argument(
         "--data_dir",
         default=os.environ.get("GLUE_DIR"),
@@ -79,13 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--group_by_length", action="store_true", help="Batch similar lengths together (less padding)."
     )
-    add_worker_args(data)
+    arguments.add_worker_args(data)
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
     model.add_argument(
         "--ignore_mismatched_sizes", action="store_true", help="Start a new classifier head if sizes differ."
     )
-    add_shared_args(parser, output_default="outputs/<task>")  # training, precision, output flags
+    arguments.add_shared_args(parser, output_default="outputs/<task>")  # training, precision, output flags
     return parser
 
 
@@ -98,9 +76,9 @@ def parse_args(argv=None):
         parser.error("give --task_name, or both --train_file and --validation_file.")
     if args.task_name and args.text_columns:
         parser.error("--text_columns names the columns of --train_file; a GLUE task has its own.")
-    check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
+    arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     at_least_1 = (lambda v: v >= 1, "at least 1")
-    check_ranges(
+    arguments.check_ranges(
         parser, args, dict.fromkeys(["max_seq_length", "max_train_samples", "max_eval_samples"], at_least_1)
     )
     args.output_dir = args.output_dir or os.path.join("outputs", args.task_name or "custom")
@@ -112,25 +90,25 @@ def load_data(args, tokenizer, accelerator):
     """The task (GLUE or your files) and its DataLoaders. Edit this function for other data."""
     with accelerator.main_process_first():  # the main process loads and tokenises, the others read its cache
         if args.task_name:
-            task = load_glue(args.task_name, args.data_dir)
+            task = glue.load_glue(args.task_name, args.data_dir)
         else:
             text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
-            task = load_user_files(
+            task = glue.load_user_files(
                 args.train_file,
                 args.validation_file,
                 text_columns,
                 args.label_column,
                 label_type=args.label_type,
             )
-        task.splits["train"] = first_rows(task.splits["train"], args.max_train_samples)
+        task.splits["train"] = batches.first_rows(task.splits["train"], args.max_train_samples)
         for split in task.eval_splits:
-            task.splits[split] = first_rows(task.splits[split], args.max_eval_samples)
-        tokenized = tokenize_splits(task, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+            task.splits[split] = batches.first_rows(task.splits[split], args.max_eval_samples)
+        tokenized = glue.tokenize_splits(task, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
     # AMP: fp16/bf16 batches are padded to a multiple of 8, the shapes Tensor Cores run fastest.
-    collator = make_collator(tokenizer, accelerator.mixed_precision)
-    loader_kwargs = loader_settings(accelerator, collator, args.dataloader_num_workers)
+    collator = glue.make_collator(tokenizer, accelerator.mixed_precision)
+    loader_kwargs = batches.loader_settings(accelerator, collator, args.dataloader_num_workers)
     batch_size = args.per_device_train_batch_size
-    sampler = train_sampler(tokenized["train"], batch_size, args.group_by_length, args.seed)
+    sampler = batches.train_sampler(tokenized["train"], batch_size, args.group_by_length, args.seed)
     train_dataloader = DataLoader(
         tokenized["train"],
         batch_size=batch_size,
@@ -157,7 +135,7 @@ def load_model(args, config, task):
     if not task.is_regression:
         config.id2label = dict(enumerate(task.label_names))
         config.label2id = {name: i for i, name in enumerate(task.label_names)}
-    with model_load_errors(args.model_name_or_path, task.num_labels):
+    with errors.model_load_errors(args.model_name_or_path, task.num_labels):
         return AutoModelForSequenceClassification.from_pretrained(
             args.model_name_or_path,
             config=config,
@@ -198,7 +176,7 @@ def main(argv=None):
 
     # ------------------------------------------------------------------------- accelerator
     # AMP: `auto` becomes bf16 where the device has it natively, else fp16 on a Tensor-Core GPU, else fp32.
-    mixed_precision, auto_reason = resolve_mixed_precision(args.mixed_precision)
+    mixed_precision, auto_reason = precision.resolve_mixed_precision(args.mixed_precision)
     accelerator = Accelerator(
         mixed_precision=mixed_precision,  # AMP: fp16/bf16/fp8/no; None: `accelerate launch` or its config decides
         kwargs_handlers=[  # AMP: fp16's loss scaling: accelerate creates the GradScaler with these settings
@@ -209,12 +187,12 @@ def main(argv=None):
                 growth_interval=args.fp16_growth_interval,
             ),
             # AMP: fp8 only: prepare() swaps Linear layers for torchao's/TE's fp8 ones, the rest runs in bf16.
-            *fp8_recipe_kwargs(mixed_precision, args.fp8_backend),  # refused where fp8 cannot run
+            *precision.fp8_recipe_kwargs(mixed_precision, args.fp8_backend),  # refused where fp8 cannot run
             InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout)),  # a hung rank ends the run
         ],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # --torch_compile: one graph for every padded length, the repeated layer compiled once.
-        dynamo_plugin=dynamo_plugin(args),
+        dynamo_plugin=compiling.dynamo_plugin(args),
         dataloader_config=DataLoaderConfiguration(
             use_seedable_sampler=True,  # shuffling seeded by (seed, epoch): a resume sees the same batches
             non_blocking=torch.cuda.is_available(),  # copies to the GPU from pinned memory, without a stall
@@ -224,213 +202,92 @@ def main(argv=None):
     )
     # AMP: the precision really in effect and who chose it; refuses what cannot work (bf16 on a
     # pre-Ampere GPU, an unconnected multi-process launch), warns about what silently misbehaves.
-    precision = preflight(accelerator, mixed_precision, auto_reason)
-    log_preflight(precision, logger)
-    precision_in_effect = precision["precision_in_effect"]
-    output = claim_output_dir(accelerator, args)  # refuses a folder that holds a run; locks it (PID)
-    set_seed(args.seed)
+    in_effect = precision.preflight(accelerator, mixed_precision, auto_reason)  # logged by TrainingRun
+    # Output folder and lock, resume, trackers, checkpoints, preemption, final save: released on every exit.
+    with TrainingRun(accelerator, args, in_effect) as run:
+        # --------------------------------------------------------------------- data
+        with errors.model_load_errors(args.model_name_or_path):
+            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+            config = AutoConfig.from_pretrained(args.model_name_or_path)
+        task, train_dataloader, eval_dataloaders = load_data(args, tokenizer, accelerator)
 
-    # ------------------------------------------------------------------------- data
-    with model_load_errors(args.model_name_or_path):
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-        config = AutoConfig.from_pretrained(args.model_name_or_path)
-    task, train_dataloader, eval_dataloaders = load_data(args, tokenizer, accelerator)
+        # --------------------------------------------------------------------- model
+        model = load_model(args, config, task)
+        # AMP: fp32 weights (no .half()): autocast needs fp32 master weights.
+        precision.check_model_dtype(model, in_effect["precision_in_effect"], accelerator.distributed_type)
+        run.fingerprint(model)  # sha256 of the weights as loaded; the arms of a paired run start equal
 
-    # ------------------------------------------------------------------------- model
-    model = load_model(args, config, task)
-    check_model_dtype(model, precision_in_effect, accelerator.distributed_type)  # AMP: no .half() weights
-    initial_weights = weights_fingerprint(model)  # sha256; the arms of a paired run start equal
-
-    # ------------------------------------------------------------------------- optimizer
-    optimizer = make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
-    schedule = training_schedule(len(train_dataloader), accelerator, args)  # optimizer steps per process
-    lr_scheduler = get_scheduler(
-        "linear", optimizer, int(args.warmup_ratio * schedule.scheduler_steps), schedule.scheduler_steps
-    )
-
-    # ------------------------------------------------------------------------- prepare
-    # AMP: prepare() wraps the model's forward in autocast (fp16/bf16), so no line below calls it,
-    # and the optimizer, so that under fp16 its step goes through the GradScaler.
-    model, optimizer, train_dataloader, lr_scheduler, *eval_loaders = accelerator.prepare(
-        model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders.values()
-    )
-    precision.update(fp8_layer_report(accelerator, model, args.max_seq_length))  # AMP: fp8 layers, FLOP share
-    check_every_parameter_trains(accelerator, model, optimizer)  # AMP: fp8 swapped layers: none untrained
-    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
-    log_fp8_report(precision, logger)
-    eval_dataloaders = dict(zip(eval_dataloaders, eval_loaders, strict=True))
-    metric = load_metric("glue", task.metric_config)  # shipped with amp_recipes: works offline
-
-    # ------------------------------------------------------------------------- resume
-    checkpoints_dir = Path(args.output_dir) / "checkpoints"
-    run_kind = {
-        "task_name": task.name,
-        "label_names": list(task.label_names or []),
-        "model": f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}",
-        "seed": args.seed,
-    }
-    # --resume_from_checkpoint: model, optimizer, scheduler, GradScaler and RNG states; else step 0.
-    resumed = resume(accelerator, args.resume_from_checkpoint, checkpoints_dir, run_kind)
-    # AMP: loss scale, skipped steps, grad norm, non-finite checks; created after a resume has
-    # restored the GradScaler, so it starts from the checkpoint's loss scale.
-    telemetry = StepTelemetry(accelerator, model, args.max_consecutive_skipped_steps, args.diagnose_overflow)
-    telemetry.load_state_dict(resumed.get("telemetry", {}))
-    # AMP: each module's max |activation| / 65504; off under --torch_compile (its hooks would recompile).
-    monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
-    activations = ActivationMonitor(plain_model, monitor_interval)
-    compiled = CompileMonitor(args.torch_compile)  # graphs compiled; whether dynamo gave up recompiling
-    run_facts = {  # for the trackers' config and eval_results.json
-        **precision,
-        "task_name": task.name,
-        "model_type": config.model_type,
-        "distributed_type": accelerator.distributed_type.value,
-        "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
-        "attn_implementation": plain_model.config._attn_implementation,  # SDPA: fused
-        "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
-        "initial_weights_sha256": initial_weights,
-    }
-    run_config = {**vars(args), **run_facts, **schedule._asdict()}
-    output.clear_previous_run(accelerator)  # --overwrite_output_dir: the old run's checkpoints go
-    init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
-    record = RunRecord(args.output_dir, accelerator.is_main_process, resumed["global_step"] or None)
-    logger.info(f"Run config: {run_config}")
-
-    # ------------------------------------------------------------------------- train
-    meter = ThroughputMeter(accelerator.device)
-
-    def run_evaluation(step, epoch):  # every eval split, logged; its time stays out of the throughput
-        with meter.paused():
-            scores = evaluate(model, eval_dataloaders, metric, accelerator, task.is_regression)
-        results = {"epoch": epoch, **scores}
-        logger.info(f"step {step}: {results}")
-        accelerator.log(results, step=step)
-        record.log(results, step)
-        return results
-
-    def save(step, epoch, batches_in_epoch):  # crash-safe: written aside, renamed when complete
-        telemetry.check_finite(step, precision_in_effect)  # AMP: never saves weights spoiled by inf/NaN
-        position = {**run_kind, "epoch": epoch, "batches_in_epoch": batches_in_epoch}
-        position["telemetry"] = telemetry.state_dict()  # AMP: skipped-step counts (the GradScaler's own)
-        return save_checkpoint(accelerator, checkpoints_dir, step, position, args.save_total_limit)
-
-    completed_steps, results = resumed["global_step"], {}
-    checkpoint_every = int(args.checkpointing_steps) if str(args.checkpointing_steps).isdigit() else None
-    max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still measured
-    if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
-        results = {**run_evaluation(completed_steps, resumed["log_epoch"]), **run_facts, **compiled.report()}
-        record.write_results({**results, "model_name_or_path": args.model_name_or_path})
-        write_final_figures(accelerator, results, completed_steps)  # W&B run summary, TensorBoard
-        accelerator.end_training()
-        output.release()
-        return results
-    preemption = PreemptionHandler()  # SIGTERM/SIGINT: stop after the current step, with a checkpoint
-    progress = tqdm(
-        total=schedule.max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process
-    )
-    model.train()
-    for epoch in range(resumed["epoch"], schedule.num_epochs):
-        train_dataloader.set_epoch(epoch)  # the epoch's shuffle depends on (seed, epoch) only
-        resume_batches = resumed["batches_in_epoch"] if epoch == resumed["epoch"] else 0
-        batches = train_dataloader  # a resumed run skips the batches its checkpoint had seen:
-        if resume_batches:
-            batches = accelerator.skip_first_batches(train_dataloader, resume_batches)
-        for batches_in_epoch, batch in enumerate(batches, start=resume_batches + 1):
-            grad_norm = None
-            with accelerator.accumulate(model), telemetry.watch():
-                loss = model(**batch).loss  # AMP: the forward runs under autocast (prepare); the loss is fp32
-                accelerator.backward(loss)  # AMP: fp16: scales the loss by the GradScaler's scale first
-                if accelerator.sync_gradients:  # AMP: unscales fp16 gradients, then clips (0: measures only)
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                optimizer.step()  # AMP: fp16: the GradScaler skips the step when a gradient is inf/NaN
-                # AMP: a skipped step must not advance the schedule. accelerate holds the scheduler back then,
-                # but misses a fused optimizer's skips; the telemetry reads the GradScaler's scale instead.
-                overflow = telemetry.after_optimizer_step()
-                if not overflow:
-                    lr_scheduler.step()
-                optimizer.zero_grad()
-            telemetry.observe(loss, grad_norm)  # stays on the device: no per-step synchronisation
-            meter.update(batch)
-            if not accelerator.sync_gradients:
-                continue
-            completed_steps += 1
-            progress.update(1)
-            # AMP: name the first non-finite module of a skipped fp16 step (--diagnose_overflow: of any step).
-            nonfinite_at = telemetry.first_nonfinite(batch) if overflow or args.diagnose_overflow else None
-            if overflow or nonfinite_at:
-                logger.warning(telemetry.nonfinite_message(completed_steps, overflow, nonfinite_at))
-            if telemetry.too_many_skips():  # AMP: no loss scale helps any more; the weights are unchanged
-                if args.checkpointing_steps:
-                    save(completed_steps, epoch, batches_in_epoch)
-                raise TrainingDiverged(telemetry.stop_message(completed_steps, nonfinite_at))
-            if completed_steps % args.logging_steps == 0 or completed_steps == schedule.max_train_steps:
-                logs = {
-                    **telemetry.read(),  # AMP: loss, grad_norm; fp16: loss_scale, skipped_steps (one host sync)
-                    "learning_rate": lr_scheduler.get_last_lr()[0],
-                    "epoch": completed_steps / schedule.steps_per_epoch,
-                    **meter.read(accelerator),  # samples/s, tokens/s, padding since the last log line
-                    **{f"fp16_range/{name}": ratio for name, ratio in activations.read().items()},  # AMP
-                }
-                telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: bf16/fp32 stop on inf/NaN
-                progress.set_postfix(
-                    {k: logs[k] for k in ("loss", "loss_scale", "skipped_steps") if k in logs}
-                )
-                accelerator.log(logs, step=completed_steps)
-                record.log(logs, completed_steps)
-            if args.eval_steps and completed_steps % args.eval_steps == 0:
-                results = run_evaluation(completed_steps, epoch + 1)
-            if checkpoint_every and completed_steps % checkpoint_every == 0:
-                save(completed_steps, epoch, batches_in_epoch)
-            if preemption.should_stop(accelerator, completed_steps):  # a SIGTERM/SIGINT arrived
-                path = save(completed_steps, epoch, batches_in_epoch)
-                logger.warning(preemption.stop_message(completed_steps, path))
-                preemption.restore()
-                accelerator.end_training()
-                output.release()
-                sys.exit(preemption.exit_code)
-            if completed_steps >= schedule.max_train_steps:
-                break
-        padding = meter.epoch_padding_fraction(accelerator)  # --group_by_length lowers it
-        logger.info(f"epoch {epoch + 1}: {padding:.1%} of the batches' tokens were padding")
-        accelerator.log({"epoch_padding_fraction": padding}, step=completed_steps)
-        record.log({"epoch_padding_fraction": padding}, completed_steps)
-        if not (args.eval_steps and completed_steps % args.eval_steps == 0):  # unless just evaluated
-            results = run_evaluation(completed_steps, epoch + 1)
-        if args.checkpointing_steps == "epoch":
-            save(completed_steps, epoch + 1, 0)
-    progress.close()
-    preemption.restore()
-    activations.remove()
-    telemetry.check_finite(completed_steps, precision_in_effect)  # AMP: never saves spoiled weights
-
-    # ------------------------------------------------------------------------- save
-    summary = {
-        **results,
-        **run_facts,
-        "model_name_or_path": args.model_name_or_path,
-        "train_steps": completed_steps,
-        **meter.run_rates(),  # training runtime, samples/s and tokens/s (evaluation left out)
-        "peak_memory_bytes": peak_memory_bytes(accelerator.device),
-        **telemetry.summary(),  # AMP: fp16 skipped steps and final loss scale; non-finite losses
-        "fp16_range": activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
-        **compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
-    }
-    with output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
-        plain_model.save_pretrained(  # AMP: the fp32 master weights, gathered under FSDP / ZeRO-3
-            folder,
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-            state_dict=plain_state_dict(accelerator, model),  # plain names, even after torch.compile
+        # --------------------------------------------------------------------- optimizer
+        optimizer = optim.make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
+        schedule = optim.training_schedule(len(train_dataloader), accelerator, args)  # steps per process
+        lr_scheduler = get_scheduler(
+            "linear", optimizer, int(args.warmup_ratio * schedule.scheduler_steps), schedule.scheduler_steps
         )
-        if accelerator.is_main_process:
-            tokenizer.save_pretrained(folder)
-    record.write_results(summary)  # written last: its presence means the run finished
-    write_final_figures(accelerator, summary, completed_steps)  # W&B run summary, TensorBoard
-    logger.info(f"Saved model and eval_results.json to {args.output_dir}: {summary}")
-    accelerator.end_training()
-    output.release()
-    return summary
+
+        # --------------------------------------------------------------------- prepare
+        # AMP: prepare() wraps the model's forward in autocast (fp16/bf16), so no line below calls it,
+        # and the optimizer, so that under fp16 its step goes through the GradScaler.
+        model, optimizer, train_dataloader, lr_scheduler, *eval_loaders = accelerator.prepare(
+            model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders.values()
+        )
+        # AMP: prepare() may swap Linear layers for fp8 ones: which ones, and their FLOP share.
+        in_effect.update(precision.fp8_layer_report(accelerator, model, args.max_seq_length))
+        optim.check_every_parameter_trains(accelerator, model, optimizer)  # AMP: none of them left untrained
+        eval_dataloaders = dict(zip(eval_dataloaders, eval_loaders, strict=True))
+        metric = metrics.load_metric("glue", task.metric_config)  # shipped with amp_recipes: works offline
+        run.start(  # --resume_from_checkpoint (model, optimizer, scheduler, GradScaler, RNG), trackers
+            model,
+            optimizer,
+            train_dataloader,
+            schedule,
+            identity={"task_name": task.name, "label_names": list(task.label_names or [])},
+            evaluate=lambda: evaluate(model, eval_dataloaders, metric, accelerator, task.is_regression),
+        )
+
+        # --------------------------------------------------------------------- train
+        if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
+            return run.evaluate_only()
+        checkpoint_every = int(args.checkpointing_steps) if str(args.checkpointing_steps).isdigit() else None
+        max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still measured
+        model.train()
+        for epoch in run.epochs():
+            for batch in run.batches(train_dataloader, epoch):  # a resumed run skips what its checkpoint saw
+                grad_norm = None
+                with accelerator.accumulate(model), run.telemetry.watch():
+                    loss = model(**batch).loss  # AMP: the forward runs under autocast (prepare); fp32 loss
+                    accelerator.backward(loss)  # AMP: fp16: scales the loss by the GradScaler's scale first
+                    if accelerator.sync_gradients:  # AMP: unscales fp16 gradients, then clips
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                    optimizer.step()  # AMP: fp16: the GradScaler skips the step when a gradient is inf/NaN
+                    # AMP: a skipped step must not advance the schedule; accelerate holds it back, but misses
+                    # a fused optimizer's skips: the telemetry reads the GradScaler's scale instead.
+                    overflow = run.telemetry.after_optimizer_step()
+                    if not overflow:
+                        lr_scheduler.step()
+                    optimizer.zero_grad()
+                if not run.step_done(batch, loss, grad_norm, overflow):  # AMP: counts skipped fp16 steps
+                    continue  # inside a gradient-accumulation window
+                if run.step % args.logging_steps == 0 or run.step == run.schedule.max_train_steps:
+                    logs = {
+                        **run.telemetry.read(),  # AMP: loss, grad_norm; fp16: loss_scale, skipped_steps
+                        "learning_rate": lr_scheduler.get_last_lr()[0],
+                        "epoch": run.step / schedule.steps_per_epoch,
+                        **run.meter.read(accelerator),  # samples/s, tokens/s, padding since the last log line
+                        **run.activation_ranges(),  # AMP: fp16_range/<module>: max |activation| / 65504
+                    }
+                    run.log(logs)  # trackers, log_history.jsonl, progress bar; bf16/fp32 stop on inf/NaN
+                if args.eval_steps and run.step % args.eval_steps == 0:
+                    run.evaluate(epoch + 1)
+                if checkpoint_every and run.step % checkpoint_every == 0:
+                    run.save_checkpoint()  # crash-safe: written aside, renamed when complete
+                run.stop_if_preempted()  # SIGTERM/SIGINT: a checkpoint, then exit 143 / 130
+            run.end_epoch()  # padding share; evaluation unless just done; --checkpointing_steps epoch
+
+        # --------------------------------------------------------------------- save
+        return run.save_final_model(tokenizer)  # AMP: fp32 master weights; eval_results.json last
 
 
 if __name__ == "__main__":
-    with one_sentence_errors():  # bad input, a diverged run, a rank that hung or died: `error: ...`, exit 1
+    # Bad input, a diverged run, a rank that hung or died: `error: <one sentence>`, exit 1.
+    with errors.one_sentence_errors():
         main()

@@ -238,7 +238,7 @@ def run_worker(spec_path: str) -> None:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from amp_recipes.compile import CompileMonitor, dynamo_plugin
+    from amp_recipes.compiling import CompileMonitor, dynamo_plugin
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
     from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
     from amp_recipes.optim import make_optimizer

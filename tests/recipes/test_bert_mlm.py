@@ -8,6 +8,8 @@ import torch
 from conftest import GLUE_DIR, TINY_BERT, assert_same_training, log_history, stop_at, train
 from families import glue_sentences
 
+from amp_recipes import checkpoint
+
 
 @pytest.fixture
 def mlm(recipe):  # a fresh module per test, like `recipe`
@@ -99,11 +101,11 @@ def test_csv_text_column_and_exact_resume(mlm, corpus, tmp_path, monkeypatch):
     argv += ["--max_seq_length", 32, "--per_device_train_batch_size", 8, "--max_train_steps", 10]
     argv += ["--logging_steps", 1, "--learning_rate", 1e-3]
     train(mlm, [*argv, "--output_dir", tmp_path / "reference"])
-    monkeypatch.setattr(mlm, "PreemptionHandler", stop_at(5))
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(5))
     with pytest.raises(SystemExit) as stopped:
         train(mlm, [*argv, "--output_dir", tmp_path / "resumed"])
     assert stopped.value.code == 143
-    monkeypatch.setattr(mlm, "PreemptionHandler", stop_at(-1))
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
     results = train(mlm, [*argv, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", "latest"])
     assert results["train_steps"] == 10 and results["eval_masked_tokens"] > 0
     assert_same_training(tmp_path / "reference", tmp_path / "resumed")

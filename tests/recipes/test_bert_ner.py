@@ -21,6 +21,8 @@ from conftest import (
     train,
 )
 
+from amp_recipes import checkpoint
+
 CONLL = REPO / "data" / "conll2003"
 FILES = ["--train_file", CONLL / "train.txt", "--validation_file", CONLL / "valid.txt"]
 
@@ -111,11 +113,11 @@ def test_eval_only_and_exact_resume(ner, tiny_model, tmp_path, monkeypatch):
         k: v for k, v in results.items() if k.startswith("eval_")
     }
     reference = model_dir
-    monkeypatch.setattr(ner, "PreemptionHandler", stop_at(4))
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(4))
     with pytest.raises(SystemExit) as stopped:
         train(ner, tiny_run(tmp_path / "resumed"))
     assert stopped.value.code == 143
-    monkeypatch.setattr(ner, "PreemptionHandler", stop_at(-1))
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
     resumed = train(ner, [*tiny_run(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"])
     assert resumed["eval_f1"] == results["eval_f1"]
     assert_same_training(reference, tmp_path / "resumed")

@@ -23,6 +23,8 @@ from conftest import (
     train,
 )
 
+from amp_recipes import checkpoint
+
 SQUAD = REPO / "data" / "squad"
 FILES = ["--train_file", SQUAD / "train.json", "--validation_file", SQUAD / "dev.json"]
 WINDOW = {"max_seq_length": 64, "doc_stride": 16, "max_query_length": 24}
@@ -156,11 +158,11 @@ def test_eval_only_and_exact_resume(qa, tiny_model, tmp_path, monkeypatch):
     assert {k: v for k, v in evaluated.items() if k.startswith("eval_")} == {
         k: v for k, v in results.items() if k.startswith("eval_")
     }
-    monkeypatch.setattr(qa, "PreemptionHandler", stop_at(4))
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(4))
     with pytest.raises(SystemExit) as stopped:
         train(qa, tiny_run(tmp_path / "resumed"))
     assert stopped.value.code == 143
-    monkeypatch.setattr(qa, "PreemptionHandler", stop_at(-1))
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
     resumed = train(qa, [*tiny_run(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"])
     assert resumed["eval_f1"] == results["eval_f1"]
     assert_same_training(model_dir, tmp_path / "resumed")
@@ -192,7 +194,7 @@ def test_fp16_logits_leave_autocast_as_float32(qa, tmp_path, monkeypatch, caplog
     from conftest import Fp16OnCpu, on_model_load
     from test_fp16_telemetry import OverflowInjector
 
-    real_postprocess, seen = qa.postprocess, []
+    real_postprocess, seen = qa.qa.postprocess, []
 
     def inject(model):
         OverflowInjector(model, "bert.encoder.layer.1.output.dense", {2})
@@ -203,7 +205,7 @@ def test_fp16_logits_leave_autocast_as_float32(qa, tmp_path, monkeypatch, caplog
         return real_postprocess(examples, windows, start_logits, end_logits, *rest)
 
     on_model_load(monkeypatch, qa, "AutoModelForQuestionAnswering", inject)
-    monkeypatch.setattr(qa, "postprocess", recording)
+    monkeypatch.setattr(qa.qa, "postprocess", recording)
     monkeypatch.setattr(qa, "Accelerator", Fp16OnCpu)
     caplog.set_level("INFO")
     argv = [

@@ -26,6 +26,7 @@ from conftest import (
     train,
 )
 
+from amp_recipes import checkpoint
 from amp_recipes.checkpoint import (
     LATEST,
     MARKER,
@@ -151,11 +152,11 @@ def test_fp16_resume_keeps_loss_scale_and_growth_tracker(recipe, tmp_path, monke
     ]
     monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
     train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
-    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(7))  # mid-epoch: 12 steps an epoch
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(7))  # mid-epoch: 12 steps an epoch
     with pytest.raises(SystemExit) as stopped:
         train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed")])
     assert stopped.value.code == 143
-    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(-1))
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
     results = train(
         recipe, [*argv, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"]
     )
@@ -423,10 +424,10 @@ def test_resumed_run_continues_the_same_wandb_run(recipe, tmp_path, monkeypatch,
         "--output_dir",
         tmp_path / "run",
     ]
-    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(3))
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(3))
     with pytest.raises(SystemExit):
         train(recipe, argv)
-    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(-1))
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
     train(recipe, [*argv, "--resume_from_checkpoint", "latest"])
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2

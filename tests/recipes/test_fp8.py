@@ -34,6 +34,7 @@ from conftest import (
 )
 from transformers import AutoModelForSequenceClassification
 
+from amp_recipes import checkpoint
 from amp_recipes.checkpoint import MARKER
 from amp_recipes.precision import fp8_layer_report, fp8_recipe_kwargs, is_fp8_linear, log_fp8_report
 
@@ -243,13 +244,13 @@ def test_an_fp8_checkpoint_resumes_exactly(recipe, fp8_on_cpu, tmp_path, monkeyp
         checkpointing_steps="epoch",
     )
     train(recipe, [*argv, "--output_dir", tmp_path / "reference"])
-    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(5))  # mid-epoch: 8 steps an epoch
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(5))  # mid-epoch: 8 steps an epoch
     with pytest.raises(SystemExit) as stopped:
         train(recipe, [*argv, "--output_dir", tmp_path / "resumed"])
     assert stopped.value.code == 143
-    checkpoint = tmp_path / "resumed" / "checkpoints" / "checkpoint-5"
-    assert json.loads((checkpoint / MARKER).read_text())["mixed_precision"] == "fp8"
-    monkeypatch.setattr(recipe, "PreemptionHandler", stop_at(-1))
+    saved = tmp_path / "resumed" / "checkpoints" / "checkpoint-5"
+    assert json.loads((saved / MARKER).read_text())["mixed_precision"] == "fp8"
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
     results = train(
         recipe, [*argv, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", "latest"]
     )

@@ -9,13 +9,15 @@ import torch
 from conftest import TINY_BERT, glue_flags, log_history, train
 from safetensors.torch import load_file
 
+from amp_recipes import optim
+
 TINY = dict(max_train_samples=48, logging_steps=1, seed=5, learning_rate=1e-3, activation_monitor_interval=0)
 
 
 def test_max_grad_norm_clips_what_the_optimizer_sees_and_0_only_measures(recipe, tmp_path, monkeypatch):
     """The optimizer's step sees gradients of total norm --max_grad_norm when they were larger;
     with 0 it sees them as computed, and the logged grad_norm is the norm before clipping."""
-    seen, make_optimizer = [], recipe.make_optimizer
+    seen, make_optimizer = [], optim.make_optimizer
 
     def recording(model, args, device):
         optimizer = make_optimizer(model, args, device)
@@ -31,7 +33,7 @@ def test_max_grad_norm_clips_what_the_optimizer_sees_and_0_only_measures(recipe,
         optimizer.register_step_pre_hook(norm_at_step)
         return optimizer
 
-    monkeypatch.setattr(recipe, "make_optimizer", recording)
+    monkeypatch.setattr(optim, "make_optimizer", recording)
     logged = {}
     for max_grad_norm in (0.05, 0):
         seen.clear()

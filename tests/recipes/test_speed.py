@@ -8,6 +8,8 @@ import torch
 from conftest import RECIPES, REPO, glue_flags, log_history, run, train
 from transformers import AutoModelForSequenceClassification
 
+from amp_recipes import compiling, telemetry
+
 TINY = glue_flags(seed=3)
 # Tensor methods that make the host wait for the device (on a GPU); counted when our code calls them.
 SYNCING = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")
@@ -28,13 +30,13 @@ def test_no_host_sync_between_logging_steps(recipe, tmp_path, monkeypatch):
 
     for name in SYNCING:
         monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
-    observe = recipe.StepTelemetry.observe
+    observe = telemetry.StepTelemetry.observe
 
     def observe_and_mark(self, *args, **kwargs):
         observe(self, *args, **kwargs)
         marks.append(len(calls))  # syncs so far, at the end of each micro-batch
 
-    monkeypatch.setattr(recipe.StepTelemetry, "observe", observe_and_mark)
+    monkeypatch.setattr(telemetry.StepTelemetry, "observe", observe_and_mark)
     train(recipe, [*TINY, "--max_train_steps", 12, "--logging_steps", 4, "--output_dir", tmp_path])
     assert len(marks) == 12
     # syncs between the end of step k and the end of step k+1: only the log line of step k (4, 8)
@@ -108,14 +110,14 @@ def test_a_hit_recompile_limit_is_reported_in_our_log(recipe, tmp_path, monkeypa
     dynamo gives up; the run says so, and eval_results.json records it."""
     caplog.set_level("WARNING")
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    static = recipe.dynamo_plugin
+    static = compiling.dynamo_plugin
 
     def static_shapes(args):
         plugin = static(args)
         plugin.dynamic = False
         return plugin
 
-    monkeypatch.setattr(recipe, "dynamo_plugin", static_shapes)
+    monkeypatch.setattr(compiling, "dynamo_plugin", static_shapes)
     results, _, _ = compile_run(recipe, tmp_path, monkeypatch)
     assert results["recompile_limit_hit"] is True
     assert "torch.compile hit dynamo's recompile limit: parts of the model now run uncompiled" in caplog.text

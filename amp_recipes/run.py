@@ -1,0 +1,275 @@
+"""The run around the training loop, in one object: what all four recipes do the same way and
+what is not the lesson. The recipe keeps the lesson in sight (the `Accelerator(...)` call,
+`prepare()`, the step, the log dict, `evaluate()`) and decides what to log, when to evaluate and
+when to checkpoint; `TrainingRun` does the rest:
+
+    with TrainingRun(accelerator, args, in_effect) as run:  # claims and locks --output_dir
+        ...  # data, model, optimizer, accelerator.prepare(...)
+        run.start(model, optimizer, train_dataloader, schedule, identity, facts, evaluate)
+        if args.eval_only:
+            return run.evaluate_only()
+        for epoch in run.epochs():
+            for batch in run.batches(train_dataloader, epoch):
+                ...  # the step
+                if not run.step_done(batch, loss, grad_norm, overflow):
+                    continue  # inside an accumulation window
+                ...  # run.log({...}), run.evaluate(epoch + 1), run.save_checkpoint()
+                run.stop_if_preempted()
+            run.end_epoch()
+        return run.save_final_model(tokenizer)
+
+- the output folder: claimed and locked when the block opens (`outputs.OutputDir`);
+- `start()`: the resume (`--resume_from_checkpoint`: model, optimizer, scheduler, GradScaler and
+  RNG states), the step telemetry and activation monitor, the run facts, the trackers (W&B /
+  TensorBoard) and the run record (`log_history.jsonl`);
+- the loop's bookkeeping: epochs and the batches a resumed run skips, the optimizer-step count and
+  progress bar, the skipped-step warnings and the stop when no loss scale helps, evaluation and
+  checkpoint saves, the preemption exit (SIGTERM/SIGINT: a checkpoint, then exit 143/130);
+- the final save (`.final.tmp`, renamed into place) and its summary, `eval_results.json` last;
+- `__exit__`, the one exit path of every run (finished, evaluated only, preempted, failed): the
+  progress bar, signal handlers and hooks go, the trackers end (finished or preempted runs; a
+  failed one is left to the tracker's own crash handling), the lock is released.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from . import checkpoint, outputs, records
+from .compiling import CompileMonitor
+from .errors import TrainingDiverged
+from .meters import ThroughputMeter, peak_memory_bytes
+from .precision import log_fp8_report, log_preflight
+from .telemetry import ActivationMonitor, StepTelemetry
+
+logger = get_logger(__name__)
+
+
+class TrainingRun:
+    """One training (or evaluation-only) run of a recipe: see the module docstring."""
+
+    def __init__(self, accelerator, args, precision: dict):
+        self.accelerator, self.args, self.precision = accelerator, args, precision
+        log_preflight(precision, logger)  # AMP: the precision in effect, who chose it, warnings
+        self.output = outputs.claim_output_dir(accelerator, args)  # refuses a folder that holds a run
+        set_seed(args.seed)
+        self.checkpoints_dir = Path(args.output_dir) / "checkpoints"
+        self.step, self.epoch, self.batches_in_epoch, self.results = 0, 0, 0, {}
+        self.progress = self.preemption = self.activations = None
+        self.initial_weights = None
+        self.ended = False  # the trackers end with a finished or preempted run, not a failed one
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.preemption is not None:
+            self.preemption.restore()  # the signals go back to whoever had them before training
+        if self.activations is not None:
+            self.activations.remove()
+        if self.ended:
+            self.accelerator.end_training()
+        self.output.release()
+
+    # ------------------------------------------------------------------ after prepare()
+    def fingerprint(self, model) -> None:
+        """Before prepare(): the sha256 of the weights as loaded (`initial_weights_sha256`); the arms
+        of one seed in a paired run must start from the same weights."""
+        self.initial_weights = records.weights_fingerprint(model)
+
+    def start(self, model, optimizer, train_dataloader, schedule, identity: dict, evaluate, facts=None):
+        """After prepare(): resume, then set up telemetry, trackers and the run record.
+        `identity`: what a checkpoint must match to be resumed by this run (its task, labels ...),
+        also reported as run facts; `evaluate`: a function returning the `eval_*` scores of every
+        eval split; `facts`: more run facts of the recipe's own."""
+        accelerator, args = self.accelerator, self.args
+        log_fp8_report(self.precision, logger)  # AMP: the Linear layers prepare() made fp8, if any
+        self.model, self.schedule, self.evaluate_scores = model, schedule, evaluate
+        self.plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
+        config = self.plain_model.config
+        model_shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"
+        self.identity = {**identity, "model": model_shape, "seed": args.seed}
+        resumed = checkpoint.resume(
+            accelerator, args.resume_from_checkpoint, self.checkpoints_dir, self.identity
+        )
+        self.resumed, self.step = resumed, resumed["global_step"]
+        # AMP: loss scale, skipped steps, grad norm, non-finite checks; created after a resume has
+        # restored the GradScaler, so it starts from the checkpoint's loss scale.
+        self.telemetry = StepTelemetry(
+            accelerator, model, args.max_consecutive_skipped_steps, args.diagnose_overflow
+        )
+        self.telemetry.load_state_dict(resumed.get("telemetry", {}))
+        # AMP: each module's max |activation| / 65504; off under --torch_compile (its hooks would recompile).
+        monitor_interval = 0 if args.torch_compile else args.activation_monitor_interval
+        self.activations = ActivationMonitor(self.plain_model, monitor_interval)
+        self.compiled = CompileMonitor(args.torch_compile)  # graphs compiled; whether dynamo gave up
+        self.facts = {  # for the trackers' config and eval_results.json
+            **self.precision,
+            **identity,
+            **(facts or {}),
+            "model_type": config.model_type,
+            "distributed_type": accelerator.distributed_type.value,
+            "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
+            "attn_implementation": config._attn_implementation,  # SDPA: fused
+            "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
+            "initial_weights_sha256": self.initial_weights,
+        }
+        run_config = {**vars(args), **self.facts, **schedule._asdict()}
+        self.output.clear_previous_run(accelerator)  # --overwrite_output_dir: the old run's checkpoints go
+        records.init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
+        self.record = records.RunRecord(args.output_dir, accelerator.is_main_process, self.step or None)
+        logger.info(f"Run config: {run_config}")
+        self.meter = ThroughputMeter(accelerator.device)  # samples/s, tokens/s, padding
+
+    def evaluate(self, epoch) -> dict:
+        """Every eval split, logged; its time stays out of the throughput."""
+        with self.meter.paused():
+            scores = self.evaluate_scores()
+        self.results = {"epoch": epoch, **scores}
+        logger.info(f"step {self.step}: {self.results}")
+        self.accelerator.log(self.results, step=self.step)
+        self.record.log(self.results, self.step)
+        return self.results
+
+    def evaluate_only(self) -> dict:
+        """--eval_only: evaluate the model (or the resumed checkpoint), write the results, stop."""
+        results = {**self.evaluate(self.resumed["log_epoch"]), **self.facts, **self.compiled.report()}
+        self.record.write_results({**results, "model_name_or_path": self.args.model_name_or_path})
+        records.write_final_figures(self.accelerator, results, self.step)  # W&B run summary, TensorBoard
+        self.ended = True
+        return results
+
+    # ------------------------------------------------------------------ the loop
+    def epochs(self):
+        """The epochs left to train (a resumed run starts in its checkpoint's)."""
+        # SIGTERM/SIGINT: stop after the current step, with a checkpoint (stop_if_preempted).
+        self.preemption = checkpoint.PreemptionHandler()
+        self.progress = tqdm(
+            total=self.schedule.max_train_steps,
+            initial=self.step,
+            disable=not self.accelerator.is_local_main_process,
+        )
+        for epoch in range(self.resumed["epoch"], self.schedule.num_epochs):
+            self.epoch = epoch
+            yield epoch
+
+    def batches(self, train_dataloader, epoch):
+        """The epoch's batches, until the last optimizer step. Its shuffle depends on (seed, epoch)
+        only, and a resumed run skips the batches its checkpoint had seen."""
+        train_dataloader.set_epoch(epoch)
+        skip = self.resumed["batches_in_epoch"] if epoch == self.resumed["epoch"] else 0
+        batches = self.accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+        for self.batches_in_epoch, batch in enumerate(batches, start=skip + 1):
+            yield batch
+            if self.step >= self.schedule.max_train_steps:  # checked once the recipe is done with it
+                return
+
+    def step_done(self, batch, loss, grad_norm, overflow: bool) -> bool:
+        """Count the micro-batch; True when it completed an optimizer step (else the recipe goes on
+        accumulating). A skipped fp16 step is named and counted; a run that no loss scale helps stops."""
+        self.telemetry.observe(loss, grad_norm)  # stays on the device: no per-step synchronisation
+        self.meter.update(batch)
+        if not self.accelerator.sync_gradients:
+            return False
+        self.step += 1
+        self.progress.update(1)
+        # AMP: name the first non-finite module of a skipped fp16 step (--diagnose_overflow: of any step).
+        nonfinite_at = (
+            self.telemetry.first_nonfinite(batch) if overflow or self.args.diagnose_overflow else None
+        )
+        if overflow or nonfinite_at:
+            logger.warning(self.telemetry.nonfinite_message(self.step, overflow, nonfinite_at))
+        if self.telemetry.too_many_skips():  # AMP: no loss scale helps any more; the weights are unchanged
+            if self.args.checkpointing_steps:
+                self.save_checkpoint()
+            raise TrainingDiverged(self.telemetry.stop_message(self.step, nonfinite_at))
+        return True
+
+    def activation_ranges(self) -> dict:
+        """AMP: `fp16_range/<module>`: max |activation| / 65504 of the modules closest to overflowing."""
+        return {f"fp16_range/{name}": ratio for name, ratio in self.activations.read().items()}
+
+    def log(self, logs: dict) -> None:
+        """A log line: the trackers, log_history.jsonl, the progress bar. bf16/fp32 runs stop on inf/NaN."""
+        self.telemetry.check_finite(self.step, self.precision["precision_in_effect"])
+        self.progress.set_postfix({k: logs[k] for k in ("loss", "loss_scale", "skipped_steps") if k in logs})
+        self.accelerator.log(logs, step=self.step)
+        self.record.log(logs, self.step)
+
+    def save_checkpoint(self, epoch=None, batches_in_epoch=None) -> Path:
+        """checkpoint-<step>, written aside and renamed when complete, at the loop's position."""
+        self.telemetry.check_finite(
+            self.step, self.precision["precision_in_effect"]
+        )  # AMP: never saves inf/NaN
+        position = {
+            **self.identity,
+            "epoch": self.epoch if epoch is None else epoch,
+            "batches_in_epoch": self.batches_in_epoch if batches_in_epoch is None else batches_in_epoch,
+            "telemetry": self.telemetry.state_dict(),  # AMP: skipped-step counts (the GradScaler's own)
+        }
+        return checkpoint.save_checkpoint(
+            self.accelerator, self.checkpoints_dir, self.step, position, self.args.save_total_limit
+        )
+
+    def stop_if_preempted(self) -> None:
+        """After a SIGTERM/SIGINT: a checkpoint, then exit 143 (SIGTERM) or 130 (SIGINT)."""
+        if self.preemption.should_stop(self.accelerator, self.step):
+            path = self.save_checkpoint()
+            logger.warning(self.preemption.stop_message(self.step, path))
+            self.ended = True
+            raise SystemExit(self.preemption.exit_code)
+
+    def end_epoch(self) -> None:
+        """The epoch's padding share; an evaluation (unless one just ran); --checkpointing_steps epoch."""
+        padding = self.meter.epoch_padding_fraction(self.accelerator)  # --group_by_length lowers it
+        logger.info(f"epoch {self.epoch + 1}: {padding:.1%} of the batches' tokens were padding")
+        self.accelerator.log({"epoch_padding_fraction": padding}, step=self.step)
+        self.record.log({"epoch_padding_fraction": padding}, self.step)
+        if not (self.args.eval_steps and self.step % self.args.eval_steps == 0):
+            self.evaluate(self.epoch + 1)
+        if self.args.checkpointing_steps == "epoch":
+            self.save_checkpoint(self.epoch + 1, 0)
+
+    # ------------------------------------------------------------------ the end
+    def save_final_model(self, tokenizer) -> dict:
+        """The trained model and tokenizer, then eval_results.json with the run's summary."""
+        accelerator, model = self.accelerator, self.model
+        self.progress.close()
+        self.preemption.restore()  # from here a signal stops the process, as it did before training
+        self.activations.remove()  # its hooks are not part of the saved model
+        self.telemetry.check_finite(
+            self.step, self.precision["precision_in_effect"]
+        )  # AMP: never saves inf/NaN
+        summary = {
+            **self.results,
+            **self.facts,
+            "model_name_or_path": self.args.model_name_or_path,
+            "train_steps": self.step,
+            **self.meter.run_rates(),  # training runtime, samples/s and tokens/s (evaluation left out)
+            "peak_memory_bytes": peak_memory_bytes(accelerator.device),
+            **self.telemetry.summary(),  # AMP: fp16 skipped steps and final loss scale; non-finite losses
+            "fp16_range": self.activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
+            **self.compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
+        }
+        with self.output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
+            self.plain_model.save_pretrained(  # AMP: the fp32 master weights, gathered under FSDP / ZeRO-3
+                folder,
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                state_dict=outputs.plain_state_dict(
+                    accelerator, model
+                ),  # plain names, even after torch.compile
+            )
+            if accelerator.is_main_process:
+                tokenizer.save_pretrained(folder)
+        self.record.write_results(summary)  # written last: its presence means the run finished
+        records.write_final_figures(accelerator, summary, self.step)  # W&B run summary, TensorBoard
+        logger.info(f"Saved model and eval_results.json to {self.args.output_dir}: {summary}")
+        self.ended = True
+        return summary
