@@ -4,8 +4,8 @@ what is not the lesson. The recipe keeps the lesson in sight (the `Accelerator(.
 when to checkpoint; `TrainingRun` does the rest:
 
     with TrainingRun(accelerator, args, in_effect) as run:  # claims and locks --output_dir
-        ...  # data, model, optimizer, accelerator.prepare(...)
-        run.start(model, optimizer, train_dataloader, schedule, identity, facts, evaluate)
+        ...  # data, model (run.fingerprint(model)), optimizer, accelerator.prepare(...)
+        run.start(model, optimizer, train_dataloader, schedule, identity=..., evaluate=...)
         if args.eval_only:
             return run.evaluate_only()
         for epoch in run.epochs():

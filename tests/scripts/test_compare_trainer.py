@@ -1,0 +1,156 @@
+"""scripts/compare_trainer.py: the Trainer side prepares the same inputs as the recipes (checked
+against the recipes' own tokenisation and post-processing on real data), both sides run per seed in
+alternating order, and the report holds time, memory and metric intervals (tiny model here; the
+real comparison is a benchmark, see docs/results.md)."""
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from conftest import BERT_BASE_CONFIG, GLUE_DIR, REPO, TINY_BERT, load_module, run
+from transformers import AutoTokenizer
+
+from amp_recipes import ner, qa
+
+pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
+
+SQUAD = REPO / "data" / "squad"
+CONLL = REPO / "data" / "conll2003"
+COLUMNS = {"question": "question", "context": "context", "answers": "answers"}
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_module(REPO / "scripts" / "compare_trainer.py")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(BERT_BASE_CONFIG)
+
+
+def test_qa_windows_and_answers_equal_the_recipes(script, tokenizer):
+    """run_qa.py's windows and answer positions, and utils_qa.py's n-best answers, against the QA
+    recipe's (amp_recipes.qa) on the repository's SQuAD questions, in windows short enough that
+    most contexts span several."""
+    data = qa.load_files(str(SQUAD / "train.json"), str(SQUAD / "dev.json"), COLUMNS, False)
+    spec = {"max_seq_length": 128, "doc_stride": 32}
+    kwargs = {"fn_kwargs": {"tokenizer": tokenizer, "spec": spec}, "batched": True}
+    recipe = qa.tokenize_windows(data.splits, tokenizer, 128, 32, max_query_length=64)
+    train = data.splits["train"].map(
+        script.qa_train_features, remove_columns=data.splits["train"].column_names, **kwargs
+    )
+    assert len(train) == len(recipe["train"]) > len(data.splits["train"])  # several windows per context
+    assert train["input_ids"] == recipe["train"]["input_ids"]
+    ours = list(zip(train["start_positions"], train["end_positions"], strict=True))
+    theirs = list(zip(recipe["train"]["start_positions"], recipe["train"]["end_positions"], strict=True))
+    differing = [(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
+    # run_qa.py's rule steps past an answer that ends on a window's last token (start > end): the
+    # one kind of window where the two differ.
+    assert len(differing) <= len(ours) // 100 and all(a[0] > a[1] for a, _ in differing), differing
+    assert sum(start > 0 for start, _ in ours) > len(data.splits["train"]) // 2  # answers inside windows
+
+    validation = data.splits["validation"]
+    windows = validation.map(script.qa_validation_features, remove_columns=validation.column_names, **kwargs)
+    assert windows["input_ids"] == recipe["validation"]["input_ids"]
+    rng = np.random.default_rng(0)
+    starts = [rng.normal(size=len(ids)).astype(np.float32) for ids in windows["input_ids"]]
+    ends = [rng.normal(size=len(ids)).astype(np.float32) for ids in windows["input_ids"]]
+    answers = script.qa_answers(validation, windows, starts, ends)
+    expected, _ = qa.postprocess(validation, recipe["validation"].to_dict(), starts, ends, 20, 30, False, 0.0)
+    assert answers == expected and len(answers) == len(validation)
+
+
+def test_ner_labels_equal_the_recipes(script, tokenizer):
+    """run_ner.py's labels (each word's first sub-token, -100 elsewhere) against bert_ner.py's."""
+    spec = {"train_file": str(CONLL / "train.txt"), "validation_file": str(CONLL / "valid.txt")}
+    spec.update(max_seq_length=32, max_train_samples=None, max_eval_samples=None)  # some sentences cut
+    task, features = script.ner_features(spec, tokenizer)
+    recipe = ner.tokenize_and_align(task.splits, tokenizer, task.label_names, 32, label_all_tokens=False)
+    for split in ("train", "validation"):
+        assert features[split]["input_ids"] == recipe[split]["input_ids"]
+        assert features[split]["labels"] == recipe[split]["labels"]
+    assert any(len(ids) == 32 for ids in features["train"]["input_ids"])
+
+
+def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
+    output_dir = tmp_path / "report"
+    command = [sys.executable, REPO / "scripts" / "compare_trainer.py", "--task", "qa", "--seeds", "1,2"]
+    command += ["--model_name_or_path", TINY_BERT, "--output_dir", output_dir]
+    command += ["--train_file", SQUAD / "train.json", "--validation_file", SQUAD / "dev.json"]
+    command += ["--max_train_samples", 24, "--max_eval_samples", 12, "--max_seq_length", 128]
+    command += ["--doc_stride", 32, "--per_device_train_batch_size", 8]
+    done = run(command, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    order = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("seed ")]
+    assert order == ["seed 1 recipe", "seed 1 trainer", "seed 2 trainer", "seed 2 recipe"]  # alternating
+    report = json.loads((output_dir / "results.json").read_text())
+    for side in ("recipe", "trainer"):
+        runs = report["runs"][side]
+        assert [r["seed"] for r in runs] == [1, 2]
+        for result in runs:
+            assert result["train_steps"] > 0
+            assert 0 < result["train_seconds"] < result["wall_seconds"]
+            assert result["peak_rss_bytes"] > 2**27  # torch alone takes more than 128 MiB
+            assert 0 <= result["eval_exact_match"] <= result["eval_f1"] <= 100
+    assert [r["train_steps"] for r in report["runs"]["recipe"]] == [
+        r["train_steps"] for r in report["runs"]["trainer"]
+    ]
+    summary = report["summary"]
+    for name in ("wall_seconds", "train_seconds", "peak_rss_bytes"):
+        assert summary["ratios"][name] > 0
+    for name in ("eval_exact_match", "eval_f1"):
+        interval = summary["metrics"][name]
+        assert interval["n"] == 2 and math.isfinite(interval["half_width"]), interval
+        differences = [
+            a[name] - b[name]
+            for a, b in zip(report["runs"]["recipe"], report["runs"]["trainer"], strict=True)
+        ]
+        assert interval["mean"] == pytest.approx(sum(differences) / 2)
+    table = (output_dir / "results.md").read_text()
+    assert "| training, s |" in table and "| eval_f1 |" in table and "Still different:" in table
+
+
+def test_the_glue_and_ner_trainer_sides_train_and_score(script, tmp_path):
+    """The two other Trainer sides, in this process: they train the given steps and score the
+    validation split with the task's metric."""
+    base = {
+        "model_name_or_path": str(TINY_BERT),
+        "max_seq_length": 64,
+        "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 16,
+        "learning_rate": 1e-3,
+        "weight_decay": 0.01,
+        "warmup_ratio": 0.1,
+        "max_grad_norm": 1.0,
+        "num_train_epochs": 1,
+        "seed": 3,
+        "task_name": "mrpc",
+        "data_dir": str(GLUE_DIR),
+        "doc_stride": 16,
+        "max_train_samples": 32,
+        "max_eval_samples": 16,
+    }
+    glue = script.trainer_worker(
+        {
+            **base,
+            "task": "glue",
+            "train_file": None,
+            "validation_file": None,
+            "work_dir": str(tmp_path / "glue"),
+        }
+    )
+    assert glue["train_steps"] == 4 and 0 <= glue["eval_accuracy"] <= 1 and "eval_f1" in glue
+    files = {"train_file": str(CONLL / "train.txt"), "validation_file": str(CONLL / "valid.txt")}
+    ner_spec = {
+        **base,
+        **files,
+        "task": "ner",
+        "ignore_mismatched_sizes": True,
+    }  # the tiny model's head: 2 labels
+    tagged = script.trainer_worker({**ner_spec, "work_dir": str(tmp_path / "ner")})
+    assert tagged["train_steps"] == 4
+    assert {"eval_f1", "eval_precision", "eval_recall", "eval_accuracy"} <= set(tagged)
+    assert tagged["reported_peak_memory_bytes"] > 2**27
