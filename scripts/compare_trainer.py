@@ -532,9 +532,15 @@ def summarise(args, runs: dict[str, list[dict]]) -> dict:
     return summary
 
 
+def model_label(path: str) -> str:
+    """A model's name for the report: the folder, or its parent for a package's `model/` folder."""
+    folder = Path(path)
+    return folder.parent.name if folder.name == "model" else folder.name
+
+
 def markdown(args, summary: dict) -> str:
     work = (
-        f"{Path(args.model_name_or_path).name}, {args.task}"
+        f"{model_label(args.model_name_or_path)}, {args.task}"
         + (f" ({args.task_name})" if args.task == "glue" else "")
         + f", {args.num_train_epochs} epoch(s), batch {args.per_device_train_batch_size}, lr {args.learning_rate}, "
         + f"seeds {','.join(map(str, args.seeds))}"
