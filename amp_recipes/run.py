@@ -133,8 +133,7 @@ class TrainingRun:
             scores = self.evaluate_scores()
         self.results = {"epoch": epoch, **scores}
         logger.info(f"step {self.step}: {self.results}")
-        self.accelerator.log(self.results, step=self.step)
-        self.record.log(self.results, self.step)
+        self._record(self.results)
         return self.results
 
     def evaluate_only(self) -> dict:
@@ -191,22 +190,28 @@ class TrainingRun:
             raise TrainingDiverged(self.telemetry.stop_message(self.step, nonfinite_at))
         return True
 
+    def _record(self, values: dict) -> None:
+        """Values of this step into the trackers and log_history.jsonl."""
+        self.accelerator.log(values, step=self.step)
+        self.record.log(values, self.step)
+
+    def _check_finite(self) -> None:
+        """bf16/fp32: stop (TrainingDiverged) if a loss since the last check was not finite; fp16 skips such steps."""
+        self.telemetry.check_finite(self.step, self.precision["precision_in_effect"])
+
     def activation_ranges(self) -> dict:
         """AMP: `fp16_range/<module>`: max |activation| / 65504 of the modules closest to overflowing."""
         return {f"fp16_range/{name}": ratio for name, ratio in self.activations.read().items()}
 
     def log(self, logs: dict) -> None:
         """A log line: the trackers, log_history.jsonl, the progress bar. bf16/fp32 runs stop on inf/NaN."""
-        self.telemetry.check_finite(self.step, self.precision["precision_in_effect"])
+        self._check_finite()
         self.progress.set_postfix({k: logs[k] for k in ("loss", "loss_scale", "skipped_steps") if k in logs})
-        self.accelerator.log(logs, step=self.step)
-        self.record.log(logs, self.step)
+        self._record(logs)
 
     def save_checkpoint(self, epoch=None, batches_in_epoch=None) -> Path:
         """checkpoint-<step>, written aside and renamed when complete, at the loop's position."""
-        self.telemetry.check_finite(
-            self.step, self.precision["precision_in_effect"]
-        )  # AMP: never saves inf/NaN
+        self._check_finite()  # AMP: never saves inf/NaN
         position = {
             **self.identity,
             "epoch": self.epoch if epoch is None else epoch,
@@ -229,8 +234,7 @@ class TrainingRun:
         """The epoch's padding share; an evaluation (unless one just ran); --checkpointing_steps epoch."""
         padding = self.meter.epoch_padding_fraction(self.accelerator)  # --group_by_length lowers it
         logger.info(f"epoch {self.epoch + 1}: {padding:.1%} of the batches' tokens were padding")
-        self.accelerator.log({"epoch_padding_fraction": padding}, step=self.step)
-        self.record.log({"epoch_padding_fraction": padding}, self.step)
+        self._record({"epoch_padding_fraction": padding})
         if not (self.args.eval_steps and self.step % self.args.eval_steps == 0):
             self.evaluate(self.epoch + 1)
         if self.args.checkpointing_steps == "epoch":
@@ -243,9 +247,7 @@ class TrainingRun:
         self.progress.close()
         self.preemption.restore()  # from here a signal stops the process, as it did before training
         self.activations.remove()  # its hooks are not part of the saved model
-        self.telemetry.check_finite(
-            self.step, self.precision["precision_in_effect"]
-        )  # AMP: never saves inf/NaN
+        self._check_finite()  # AMP: never saves inf/NaN
         summary = {
             **self.results,
             **self.facts,

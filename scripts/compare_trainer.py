@@ -135,15 +135,21 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- the Trainer side (a child process)
+def first_rows(splits, spec) -> dict:
+    """The train and validation splits cut to --max_train_samples / --max_eval_samples by the rule
+    the recipes use (amp_recipes.batches.first_rows), so that both sides see the same rows."""
+    from amp_recipes import batches
+
+    limits = {"train": spec["max_train_samples"], "validation": spec["max_eval_samples"]}
+    return {name: batches.first_rows(splits[name], limit) for name, limit in limits.items()}
+
+
 def glue_features(spec, tokenizer):
     """run_glue.py: the sentence (pair) tokenised without padding, truncated to max_seq_length."""
     from amp_recipes.glue import load_glue
 
     task = load_glue(spec["task_name"], spec["data_dir"])
-    splits = {name: task.splits[name] for name in ("train", "validation")}
-    for name, limit in (("train", spec["max_train_samples"]), ("validation", spec["max_eval_samples"])):
-        if limit:
-            splits[name] = splits[name].select(range(min(limit, len(splits[name]))))
+    splits = first_rows(task.splits, spec)
 
     def preprocess(examples):
         texts = [examples[column] for column in task.text_columns]
@@ -163,10 +169,7 @@ def ner_features(spec, tokenizer):
     else:
         task = ner.load_hub()
     label_to_id = {name: i for i, name in enumerate(task.label_names)}
-    splits = {name: task.splits[name] for name in ("train", "validation")}
-    for name, limit in (("train", spec["max_train_samples"]), ("validation", spec["max_eval_samples"])):
-        if limit:
-            splits[name] = splits[name].select(range(min(limit, len(splits[name]))))
+    splits = first_rows(task.splits, spec)
 
     def tokenize_and_align_labels(examples):
         tokenized = tokenizer(
@@ -352,10 +355,7 @@ def trainer_worker(spec: dict) -> dict:
             if spec["train_file"]
             else qa.load_hub(False)
         )
-        examples = {name: data.splits[name] for name in ("train", "validation")}
-        for name, limit in (("train", spec["max_train_samples"]), ("validation", spec["max_eval_samples"])):
-            if limit:
-                examples[name] = examples[name].select(range(min(limit, len(examples[name]))))
+        examples = first_rows(data.splits, spec)
         train_features = examples["train"].map(
             qa_train_features,
             batched=True,
