@@ -62,7 +62,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str | None:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        # The tensor's own buffer (numpy's buffer protocol), not a bytes copy of it.
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 

@@ -300,7 +300,10 @@ class ActivationMonitor:
     def _record(self, name):
         def hook(module, inputs, output):
             if isinstance(output, torch.Tensor) and output.is_floating_point():
-                peak = output.detach().abs().amax().float()
+                # max |x| = max(|min|, |max|): two scalars, not abs()'s full-size copy of every
+                # module's output, which raised the peak memory of each sampled step.
+                low, high = torch.aminmax(output.detach())
+                peak = torch.maximum(low.abs(), high.abs()).float()
                 previous = self.maxima.get(name)
                 self.maxima[name] = peak if previous is None else torch.maximum(previous, peak)
 

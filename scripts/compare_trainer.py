@@ -14,8 +14,11 @@ random sampling. The Trainer side preprocesses and post-processes as transformer
 so that a reader can check it against them; what stays different is listed in the output.
 
 Figures per run: whole-process wall seconds, training seconds (evaluation left out), the peak
-resident memory of the process (read by this script with wait4, the same way for both sides; on a
-GPU each side also reports torch's max_memory_allocated) and the task's metrics. Per side: the
+resident memory of the process and its CPU seconds in user and kernel mode (read by this script
+with wait4, the same way for both sides; on a GPU each side also reports torch's
+max_memory_allocated) and the task's metrics. On a CPU the peak RSS is the live tensors plus what
+glibc's allocator keeps after freeing, which varies with the order of allocations from run to run;
+--malloc_mmap_threshold takes the second part out of both sides. Per side: the
 mean and spread over seeds. Between the sides: the time and memory ratios, and each metric's
 paired difference (recipe - Trainer) with its 95% interval over seeds (Student t). Writes
 results.json and results.md to --output_dir and prints the table.
@@ -59,13 +62,14 @@ SHARED = (  # flags both sides take, with the same meaning
 )
 DIFFERENCES = [
     "optimizer: both AdamW without decay on biases and LayerNorm weights; the recipe's is fused where "
-    "torch has it, the Trainer's is its default `optim`",
+    "torch has a fused kernel, the Trainer's is its default `optim` (adamw_torch_fused from torch 2.8)",
     "the recipe logs loss scale, grad norm and throughput every --logging_steps and samples activation "
     "ranges (its defaults); the Trainer logs the loss and the learning rate",
     "the recipe evaluates at the end of each epoch inside its run (left out of its training time); "
     "the Trainer evaluates once, after train()",
-    "the same seed drives different random streams (the new head's initialisation is equal, the "
-    "shuffling and dropout are not): the sides are compared over seeds, never seed by seed",
+    "the same seed gives both sides the same new head and the same shuffled batches (accelerate's "
+    "seedable sampler, seeded by --seed on both), but not the same dropout draws: the sides are "
+    "compared over seeds, never seed by seed",
 ]
 TASK_DIFFERENCES = {
     "ner": [
@@ -115,6 +119,13 @@ def parse_args(argv=None):
         "--recipe_flags",
         default="",
         help="More flags for the recipe, e.g. '--activation_monitor_interval 0'.",
+    )
+    parser.add_argument(
+        "--malloc_mmap_threshold",
+        type=int,
+        help="Run both sides with glibc's MALLOC_MMAP_THRESHOLD_ set to this many bytes: freed blocks "
+        "of that size or more go back to the system at once, so the peak RSS follows the live tensors "
+        "rather than what the allocator keeps (slower: more page faults). Default: glibc's own.",
     )
     parser.add_argument("--output_dir", help="Default: bench_results/trainer-<task>-<time>.")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: spec.json,result.json
@@ -427,19 +438,29 @@ def trainer_worker(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- the parent
-def run_process(command: list[str]) -> tuple[float, int, subprocess.CompletedProcess]:
-    """Run a child, returning its wall seconds, its own peak RSS in bytes (wait4: this child and
-    the processes it waited for, nothing else) and its output."""
+def run_process(
+    command: list[str], env: dict | None = None
+) -> tuple[float, dict, subprocess.CompletedProcess]:
+    """Run a child, returning its wall seconds, its own resource figures (wait4: this child and
+    the processes it waited for, nothing else: peak RSS, CPU seconds in user and kernel mode,
+    minor page faults) and its output."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=err, cwd=REPO, text=True)
+        process = subprocess.Popen(command, stdout=out, stderr=err, cwd=REPO, text=True, env=env)
         _, status, usage = os.wait4(process.pid, 0)
         wall = time.perf_counter() - started
         process.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         completed = subprocess.CompletedProcess(command, process.returncode, out.read(), err.read())
-    return wall, usage.ru_maxrss * 1024, completed
+    figures = {
+        "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
+        # Kernel time is mostly page faults: memory the allocator gave back and takes again.
+        "cpu_user_seconds": usage.ru_utime,
+        "cpu_system_seconds": usage.ru_stime,
+        "minor_page_faults": usage.ru_minflt,
+    }
+    return wall, figures, completed
 
 
 def spec_of(args, seed: int, work_dir: Path) -> dict:
@@ -490,7 +511,10 @@ def run_side(args, side: str, seed: int, work_dir: Path) -> dict:
         spec_path, result_path = work_dir / "spec.json", work_dir / "result.json"
         spec_path.write_text(json.dumps(spec_of(args, seed, work_dir / "run")))
         command = [sys.executable, __file__, "--worker", f"{spec_path},{result_path}"]
-    wall, peak_rss, completed = run_process(command)
+    env = None
+    if args.malloc_mmap_threshold:  # glibc: freed blocks of this size or more go back to the system
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)}
+    wall, usage, completed = run_process(command, env)
     if completed.returncode != 0:
         raise SystemExit(f"{side} (seed {seed}) failed:\n{completed.stderr[-3000:]}")
     if side == "recipe":
@@ -503,14 +527,15 @@ def run_side(args, side: str, seed: int, work_dir: Path) -> dict:
         result["reported_peak_memory_bytes"] = out["peak_memory_bytes"]  # GPU: the allocator's; CPU: RSS
     else:
         result = json.loads(result_path.read_text())
-    return {**result, "seed": seed, "wall_seconds": wall, "peak_rss_bytes": peak_rss}
+    return {**result, "seed": seed, "wall_seconds": wall, **usage}
 
 
 def summarise(args, runs: dict[str, list[dict]]) -> dict:
     """Per side the mean and sd of each figure; between sides the ratios of the means (time,
     memory) and each metric's paired difference recipe - Trainer with its 95% interval."""
     summary = {"sides": {}, "ratios": {}, "metrics": {}}
-    figures = ("wall_seconds", "train_seconds", "peak_rss_bytes", *METRICS[args.task])
+    resources = ("wall_seconds", "train_seconds", "peak_rss_bytes", "cpu_user_seconds", "cpu_system_seconds")
+    figures = (*resources, *METRICS[args.task])
     for side, results in runs.items():
         summary["sides"][side] = {}
         for name in figures:
@@ -522,7 +547,7 @@ def summarise(args, runs: dict[str, list[dict]]) -> dict:
                     "values": values,
                 }
     recipe, trainer = summary["sides"]["recipe"], summary["sides"]["trainer"]
-    for name in ("wall_seconds", "train_seconds", "peak_rss_bytes"):
+    for name in resources:
         summary["ratios"][name] = recipe[name]["mean"] / trainer[name]["mean"]
     for name in METRICS[args.task]:
         if name in recipe and name in trainer:
@@ -546,6 +571,8 @@ def markdown(args, summary: dict) -> str:
         + f"seeds {','.join(map(str, args.seeds))}"
     )
     lines = [f"Work: {work}. Means over seeds (sd); ratio = recipe / Trainer.", ""]
+    if args.malloc_mmap_threshold:
+        lines[0] += f" Both under MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold} (glibc)."
     lines += ["| figure | recipe | Trainer | ratio or difference (95% interval) |", "|---|---|---|---|"]
     sides = summary["sides"]
 
@@ -558,6 +585,8 @@ def markdown(args, summary: dict) -> str:
         ("wall_seconds", "whole process, s", 1.0, 1),
         ("train_seconds", "training, s", 1.0, 1),
         ("peak_rss_bytes", "peak memory (RSS), GiB", 2**30, 2),
+        ("cpu_user_seconds", "CPU time, user, s", 1.0, 1),
+        ("cpu_system_seconds", "CPU time, kernel (mostly page faults), s", 1.0, 1),
     ):
         ratio = summary["ratios"][name]
         lines.append(

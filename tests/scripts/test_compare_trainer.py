@@ -81,7 +81,7 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
     command += ["--model_name_or_path", TINY_BERT, "--output_dir", output_dir]
     command += ["--train_file", SQUAD / "train.json", "--validation_file", SQUAD / "dev.json"]
     command += ["--max_train_samples", 24, "--max_eval_samples", 12, "--max_seq_length", 128]
-    command += ["--doc_stride", 32, "--per_device_train_batch_size", 8]
+    command += ["--doc_stride", 32, "--per_device_train_batch_size", 8, "--malloc_mmap_threshold", 2**20]
     done = run(command, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     order = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("seed ")]
@@ -94,12 +94,13 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
             assert result["train_steps"] > 0
             assert 0 < result["train_seconds"] < result["wall_seconds"]
             assert result["peak_rss_bytes"] > 2**27  # torch alone takes more than 128 MiB
+            assert result["cpu_user_seconds"] > 0 and result["cpu_system_seconds"] > 0
             assert 0 <= result["eval_exact_match"] <= result["eval_f1"] <= 100
     assert [r["train_steps"] for r in report["runs"]["recipe"]] == [
         r["train_steps"] for r in report["runs"]["trainer"]
     ]
     summary = report["summary"]
-    for name in ("wall_seconds", "train_seconds", "peak_rss_bytes"):
+    for name in ("wall_seconds", "train_seconds", "peak_rss_bytes", "cpu_user_seconds", "cpu_system_seconds"):
         assert summary["ratios"][name] > 0
     for name in ("eval_exact_match", "eval_f1"):
         interval = summary["metrics"][name]
@@ -111,6 +112,7 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
         assert interval["mean"] == pytest.approx(sum(differences) / 2)
     table = (output_dir / "results.md").read_text()
     assert "| training, s |" in table and "| eval_f1 |" in table and "Still different:" in table
+    assert "Both under MALLOC_MMAP_THRESHOLD_=1048576 (glibc)." in table
 
 
 def test_the_glue_and_ner_trainer_sides_train_and_score(script, tmp_path):

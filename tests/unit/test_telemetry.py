@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import Fp16OnCpu, reset_accelerate
 
-from amp_recipes.telemetry import FP16_MAX, ActivationMonitor, NonFiniteLocator, StepTelemetry
+from amp_recipes.telemetry import FP16_MAX, ActivationMonitor, NonFiniteLocator, StepTelemetry, _tensors
 
 
 def net():
@@ -53,6 +53,39 @@ def test_activation_monitor_samples_one_forward_in_n_and_removes_its_hooks():
     model.train()
     model(torch.full((1, 1), 100.0))
     assert monitor.forwards == 4  # not counted any more after remove()
+
+
+def test_activation_monitor_reads_negative_peaks_without_copying_the_activations():
+    """max |activation| of a negative output too, from reductions only: a sampled forward
+    allocates a few scalars more than an unsampled one, not a copy of every module's output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AllocatedBytes(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in _tensors([args, kwargs or {}])}
+            for tensor in _tensors(out):  # new storage only: a view (detach) allocates nothing
+                if tensor.untyped_storage().data_ptr() not in inputs:
+                    self.total += tensor.untyped_storage().nbytes()
+            return out
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.Linear(256, 64, bias=False))
+    torch.nn.init.constant_(model[0].weight, -1.0)
+    torch.nn.init.constant_(model[1].weight, 0.5)
+    monitor = ActivationMonitor(model, every=2)
+    allocated = []
+    for _ in range(2):  # forward 1 is sampled, forward 2 is not
+        with torch.no_grad(), AllocatedBytes() as mode:
+            model(torch.ones(32, 64))
+        allocated.append(mode.total)
+    assert monitor.read() == {
+        "1": pytest.approx(64 * 256 * 0.5 / FP16_MAX),
+        "0": pytest.approx(64 / FP16_MAX),
+    }
+    outputs = 32 * 256 * 4 + 32 * 64 * 4  # what abs() would copy
+    assert allocated[0] - allocated[1] < 64 * 4 < outputs  # a few scalars per module
 
 
 @pytest.fixture
