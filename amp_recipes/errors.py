@@ -89,7 +89,7 @@ _HUNG = re.compile(r"Timed out waiting (\d+)ms|collective operation timeout")
 _DIED = re.compile(r"Connection (reset|closed) by peer")
 
 
-def lost_rank_message(error: BaseException) -> str | None:
+def lost_rank_message(error: BaseException | None) -> str | None:
     """One sentence for a collective operation that failed because another process of the run hung
     (past --ddp_timeout) or died, naming this process's rank and the one it waited for where that
     is certain (two processes); None for any other error."""

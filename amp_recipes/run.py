@@ -27,7 +27,7 @@ when to checkpoint; `TrainingRun` does the rest:
   checkpoint saves, the preemption exit (SIGTERM/SIGINT: a checkpoint, then exit 143/130);
 - the final save (`.final.tmp`, renamed into place) and its summary, `eval_results.json` last;
 - `__exit__`, the one exit path of every run (finished, evaluated only, preempted, failed): the
-  progress bar, signal handlers and hooks go, the trackers end (finished or preempted runs; a
+  progress bar, signal handlers (kept after a lost rank, until its error is printed) and hooks go, the trackers end (finished or preempted runs; a
   failed one is left to the tracker's own crash handling), the lock is released.
 """
 
@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, outputs, records
 from .compiling import CompileMonitor
-from .errors import TrainingDiverged
+from .errors import TrainingDiverged, lost_rank_message
 from .meters import ThroughputMeter, peak_memory_bytes
 from .precision import log_fp8_report, log_preflight
 from .telemetry import ActivationMonitor, StepTelemetry
@@ -69,8 +69,11 @@ class TrainingRun:
     def __exit__(self, exc_type, exc, traceback) -> None:
         if self.progress is not None:
             self.progress.close()
-        if self.preemption is not None:
+        if self.preemption is not None and lost_rank_message(exc) is None:
             self.preemption.restore()  # the signals go back to whoever had them before training
+        # Not after a lost rank: the launcher's SIGTERM to every process is on its way, and with the
+        # default handler back it could end this one before one_sentence_errors prints the sentence
+        # that says what happened; the handler only notes it, and the process ends with that error.
         if self.activations is not None:
             self.activations.remove()
         if self.ended:

@@ -74,3 +74,29 @@ def test_bad_input_after_the_claim_removes_the_folder_it_created(recipe, tmp_pat
             ),
         )
     assert not (tmp_path / "new").exists() and ended == [False]
+
+
+def test_a_run_that_lost_a_rank_keeps_its_sigterm_handler_until_the_error_is_printed(
+    recipe, tmp_path, monkeypatch, ended
+):
+    """The launcher SIGTERMs every process once one died; arriving after the run's exit path and
+    before one_sentence_errors prints, the default handler would end the process without a word."""
+    import torch.distributed as dist
+
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def peer_died(*args, **kwargs):  # what gloo raises in rank 0 of 2 once rank 1 is gone
+        for name, value in {"is_initialized": True, "get_rank": 0, "get_world_size": 2}.items():
+            monkeypatch.setattr(dist, name, lambda value=value: value)
+        raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:21634: Connection reset by peer")
+
+    monkeypatch.setattr(recipe, "evaluate", peer_died)
+    try:
+        with pytest.raises(RuntimeError, match="Connection reset by peer"):
+            train(recipe, glue_flags(**TINY, eval_steps=2, output_dir=tmp_path / "out"))
+        assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
+        signal.raise_signal(signal.SIGTERM)  # the launcher's: noted, not fatal
+        assert released(tmp_path / "out") and ended == [False]
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
