@@ -5,6 +5,7 @@ real comparison is a benchmark, see docs/results.md)."""
 
 import json
 import math
+import re
 import sys
 
 import numpy as np
@@ -102,6 +103,13 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
     summary = report["summary"]
     for name in ("wall_seconds", "train_seconds", "peak_rss_bytes", "cpu_user_seconds", "cpu_system_seconds"):
         assert summary["ratios"][name] > 0
+        per_seed = summary["ratio_per_seed"][name]
+        pairs = zip(report["runs"]["recipe"], report["runs"]["trainer"], strict=True)
+        expected = [a[name] / b[name] for a, b in pairs]
+        assert per_seed["values"] == pytest.approx(expected)
+        low, high = per_seed["ci"]
+        assert per_seed["geometric_mean"] == pytest.approx(math.sqrt(expected[0] * expected[1]))
+        assert 0 < low <= per_seed["geometric_mean"] <= high
     for name in ("eval_exact_match", "eval_f1"):
         interval = summary["metrics"][name]
         assert interval["n"] == 2 and math.isfinite(interval["half_width"]), interval
@@ -111,6 +119,10 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
         ]
         assert interval["mean"] == pytest.approx(sum(differences) / 2)
     table = (output_dir / "results.md").read_text()
+    assert re.search(
+        r"\| training, s \|.*\(per seed [\d.]+ / [\d.]+, geometric mean [\d.]+x \[[\d.]+, [\d.]+\]\) \|",
+        table,
+    )
     assert "| training, s |" in table and "| eval_f1 |" in table and "Still different:" in table
     assert "Both under MALLOC_MMAP_THRESHOLD_=1048576 (glibc)." in table
 
