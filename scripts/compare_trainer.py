@@ -68,6 +68,8 @@ DIFFERENCES = [
     "ranges (its defaults); the Trainer logs the loss and the learning rate",
     "the recipe evaluates at the end of each epoch inside its run (left out of its training time); "
     "the Trainer evaluates once, after train()",
+    "the recipe saves its trained model, tokenizer and eval_results.json (in its whole-process time, "
+    "not in its training time); the Trainer side saves nothing (save_strategy 'no')",
     "the same seed gives both sides the same new head and the same shuffled batches (accelerate's "
     "seedable sampler, seeded by --seed on both), but not the same dropout draws: the sides are "
     "compared over seeds, never seed by seed",
