@@ -27,8 +27,9 @@ when to checkpoint; `TrainingRun` does the rest:
   checkpoint saves, the preemption exit (SIGTERM/SIGINT: a checkpoint, then exit 143/130);
 - the final save (`.final.tmp`, renamed into place) and its summary, `eval_results.json` last;
 - `__exit__`, the one exit path of every run (finished, evaluated only, preempted, failed): the
-  progress bar, signal handlers (kept after a lost rank, until its error is printed) and hooks go, the trackers end (finished or preempted runs; a
-  failed one is left to the tracker's own crash handling), the lock is released.
+  progress bar, signal handlers (kept after a lost rank, until its error is printed) and hooks go,
+  the trackers end (finished or preempted runs; a failed one is left to the tracker's own crash
+  handling), the lock is released.
 """
 
 from __future__ import annotations

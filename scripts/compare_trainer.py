@@ -535,7 +535,8 @@ def run_side(args, side: str, seed: int, work_dir: Path) -> dict:
 
 def summarise(args, runs: dict[str, list[dict]]) -> dict:
     """Per side the mean and sd of each figure; between sides the ratios of the means (time,
-    memory) and each metric's paired difference recipe - Trainer with its 95% interval."""
+    memory), the per-seed ratios with their geometric mean and its 95% interval, and each metric's
+    paired difference recipe - Trainer with its 95% interval."""
     summary = {"sides": {}, "ratios": {}, "ratio_per_seed": {}, "metrics": {}}
     resources = ("wall_seconds", "train_seconds", "peak_rss_bytes", "cpu_user_seconds", "cpu_system_seconds")
     figures = (*resources, *METRICS[args.task])
