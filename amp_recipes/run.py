@@ -70,11 +70,12 @@ class TrainingRun:
     def __exit__(self, exc_type, exc, traceback) -> None:
         if self.progress is not None:
             self.progress.close()
+        # The signals go back to whoever had them before training; not after a lost rank: the
+        # launcher's SIGTERM to every process is on its way, and with the default handler back it
+        # could end this one before one_sentence_errors prints the sentence that says what
+        # happened. Kept, the handler only notes it, and the process ends with that error.
         if self.preemption is not None and lost_rank_message(exc) is None:
-            self.preemption.restore()  # the signals go back to whoever had them before training
-        # Not after a lost rank: the launcher's SIGTERM to every process is on its way, and with the
-        # default handler back it could end this one before one_sentence_errors prints the sentence
-        # that says what happened; the handler only notes it, and the process ends with that error.
+            self.preemption.restore()
         if self.activations is not None:
             self.activations.remove()
         if self.ended:
