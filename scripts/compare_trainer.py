@@ -16,7 +16,9 @@ so that a reader can check it against them; what stays different is listed in th
 Figures per run: whole-process wall seconds, training seconds (evaluation left out), the peak
 resident memory of the process and its CPU seconds in user and kernel mode (read by this script
 with wait4, the same way for both sides; on a GPU each side also reports torch's
-max_memory_allocated) and the task's metrics. On a CPU the peak RSS is the live tensors plus what
+max_memory_allocated) and the task's metrics; and, to tell a slow run's cause, what else took
+the CPU meanwhile: the machine's stolen time (on a virtual machine, /proc/stat's `steal`) and the
+times another process preempted the run. On a CPU the peak RSS is the live tensors plus what
 glibc's allocator keeps after freeing, which varies with the order of allocations from run to run;
 --malloc_mmap_threshold takes the second part out of both sides. Per side: the
 mean and spread over seeds. Between the sides: the time and memory ratios (of the means; and per
@@ -45,6 +47,7 @@ from compare_loops import default_model  # noqa: E402
 from paired_runs import paired_interval, verdict  # noqa: E402
 
 RECIPES = {"glue": "bert_glue.py", "ner": "bert_ner.py", "qa": "bert_qa.py"}
+INTERFERENCE = ("machine_steal_seconds", "involuntary_context_switches")  # per run, no ratio (often 0)
 METRICS = {  # the metrics each task reports (eval_ keys of both sides)
     "glue": ("eval_accuracy", "eval_f1"),
     "ner": ("eval_f1", "eval_precision", "eval_recall", "eval_accuracy"),
@@ -441,17 +444,31 @@ def trainer_worker(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- the parent
+def stolen_cpu_seconds(stat: str = "/proc/stat") -> float | None:
+    """CPU seconds the hypervisor has taken from this virtual machine since it booted, all CPUs
+    together (the `steal` column of /proc/stat's first line); None where there is no /proc/stat.
+    Read around each run: a run slowed by the machine's neighbours shows there, not in its code."""
+    try:
+        fields = Path(stat).read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def run_process(
     command: list[str], env: dict | None = None
 ) -> tuple[float, dict, subprocess.CompletedProcess]:
     """Run a child, returning its wall seconds, its own resource figures (wait4: this child and
     the processes it waited for, nothing else: peak RSS, CPU seconds in user and kernel mode,
-    minor page faults) and its output."""
+    minor page faults, involuntary context switches), the machine's stolen CPU time over the run,
+    and its output."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        stolen = stolen_cpu_seconds()
         started = time.perf_counter()
         process = subprocess.Popen(command, stdout=out, stderr=err, cwd=REPO, text=True, env=env)
         _, status, usage = os.wait4(process.pid, 0)
         wall = time.perf_counter() - started
+        stolen = None if stolen is None else stolen_cpu_seconds() - stolen
         process.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
@@ -462,6 +479,10 @@ def run_process(
         "cpu_user_seconds": usage.ru_utime,
         "cpu_system_seconds": usage.ru_stime,
         "minor_page_faults": usage.ru_minflt,
+        # Not this process's figures: what else ran. Another process on this machine (a test run)
+        # preempts it; the hypervisor running other machines on the same cores steals CPU time.
+        "involuntary_context_switches": usage.ru_nivcsw,
+        "machine_steal_seconds": stolen,
     }
     return wall, figures, completed
 
@@ -539,11 +560,11 @@ def summarise(args, runs: dict[str, list[dict]]) -> dict:
     paired difference recipe - Trainer with its 95% interval."""
     summary = {"sides": {}, "ratios": {}, "ratio_per_seed": {}, "metrics": {}}
     resources = ("wall_seconds", "train_seconds", "peak_rss_bytes", "cpu_user_seconds", "cpu_system_seconds")
-    figures = (*resources, *METRICS[args.task])
+    figures = (*resources, *INTERFERENCE, *METRICS[args.task])
     for side, results in runs.items():
         summary["sides"][side] = {}
         for name in figures:
-            values = [run[name] for run in results if name in run]
+            values = [run[name] for run in results if run.get(name) is not None]
             if values:
                 summary["sides"][side][name] = {
                     "mean": statistics.fmean(values),
@@ -614,6 +635,18 @@ def markdown(args, summary: dict) -> str:
             f"| {label} | {cell('recipe', name, scale, digits)} | {cell('trainer', name, scale, digits)} | "
             f"{ratio:.3f}x (per seed {seeds}{span}) |"
         )
+    for name, label, digits in (
+        ("machine_steal_seconds", "CPU time the hypervisor took from this machine during the run, s", 1),
+        ("involuntary_context_switches", "times another process preempted the run", 0),
+    ):
+        if name in sides["recipe"] and name in sides["trainer"]:
+            seeds = {
+                side: " / ".join(f"{v:.{digits}f}" for v in sides[side][name]["values"]) for side in sides
+            }
+            lines.append(
+                f"| {label} | {cell('recipe', name, 1.0, digits)} | {cell('trainer', name, 1.0, digits)} | "
+                f"per seed: recipe {seeds['recipe']}, Trainer {seeds['trainer']} |"
+            )
     for name, interval in summary["metrics"].items():
         low, high = interval["ci"]
         span = "" if math.isnan(low) else f" [{low:+.4f}, {high:+.4f}]"

@@ -5,6 +5,7 @@ real comparison is a benchmark, see docs/results.md)."""
 
 import json
 import math
+import os
 import re
 import sys
 
@@ -97,6 +98,8 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
             assert result["peak_rss_bytes"] > 2**27  # torch alone takes more than 128 MiB
             assert result["cpu_user_seconds"] > 0 and result["cpu_system_seconds"] > 0
             assert 0 <= result["eval_exact_match"] <= result["eval_f1"] <= 100
+            assert result["involuntary_context_switches"] >= 0
+            assert result["machine_steal_seconds"] >= 0  # a Linux machine: /proc/stat is there
     assert [r["train_steps"] for r in report["runs"]["recipe"]] == [
         r["train_steps"] for r in report["runs"]["trainer"]
     ]
@@ -125,6 +128,20 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
     )
     assert "| training, s |" in table and "| eval_f1 |" in table and "Still different:" in table
     assert "Both under MALLOC_MMAP_THRESHOLD_=1048576 (glibc)." in table
+    steal = [f"{r['machine_steal_seconds']:.1f}" for r in report["runs"]["recipe"]]
+    assert "| CPU time the hypervisor took from this machine during the run, s |" in table
+    assert f"per seed: recipe {' / '.join(steal)}, Trainer " in table
+
+
+def test_stolen_cpu_time_is_read_from_proc_stat(script, tmp_path):
+    """The `steal` column (the 8th figure of the first line) in seconds; None where a kernel has
+    no such column or there is no /proc/stat."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  5548142 627299 1250668 4005015 19125 0 6487 27640 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert script.stolen_cpu_seconds(str(stat)) == pytest.approx(27640 / os.sysconf("SC_CLK_TCK"))
+    stat.write_text("cpu  5548142 627299 1250668 4005015\n")  # Linux before 2.6.11
+    assert script.stolen_cpu_seconds(str(stat)) is None
+    assert script.stolen_cpu_seconds(str(tmp_path / "missing")) is None
 
 
 def test_the_glue_and_ner_trainer_sides_train_and_score(script, tmp_path):
