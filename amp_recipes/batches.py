@@ -4,6 +4,8 @@ the length-grouped sampler."""
 
 from __future__ import annotations
 
+import signal
+
 import datasets
 import torch
 from transformers.trainer_pt_utils import LengthGroupedSampler
@@ -43,7 +45,19 @@ def loader_settings(accelerator, collator, num_workers: int | None) -> dict:
         "pin_memory": on_cuda,
         "num_workers": num_workers,
         "persistent_workers": num_workers > 0,  # no worker restart each epoch
+        "worker_init_fn": leave_stop_signals_to_the_run if num_workers > 0 else None,
     }
+
+
+def leave_stop_signals_to_the_run(worker_id: int) -> None:
+    """In each DataLoader worker: ignore SIGINT and SIGTERM, which the training process handles
+    (a checkpoint, then exit). Ctrl-C, Slurm and `kill -- -PGID` signal the whole process group,
+    workers included, and launchers pass the signal on to every descendant; a worker ended by it
+    makes the training process fail at its next batch ("DataLoader worker ... is killed by
+    signal") before the checkpoint it was stopping for. The workers still end with the run: its
+    DataLoader tells them to, and a launcher's SIGKILL reaches them too."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def train_sampler(dataset, batch_size: int, group_by_length: bool, seed: int):

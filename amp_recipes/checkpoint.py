@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 from accelerate.logging import get_logger
@@ -202,13 +203,18 @@ def tracker_run_id(accelerator) -> str | None:
 class PreemptionHandler:
     """SIGTERM / SIGINT ask the loop to stop after the current optimizer step (and checkpoint).
 
-    A second signal falls back to the default behaviour, so a stuck run can still be stopped.
+    A second signal, RELAY_WINDOW_S or more after the first, gets the default action, so a stuck
+    run can still be stopped. One sooner is the same stop passed on: a signal to the whole process
+    group (Slurm, `kill -- -PGID`, Ctrl-C in a terminal) reaches the launcher too, and both
+    `accelerate launch`'s one-process launcher (accelerate >= 1.16) and torchrun's agent pass it on
+    to the run at once; taken for a second signal it would kill the run before its checkpoint.
     """
 
     CHECK_INTERVAL = 10  # optimizer steps between the processes' agreement checks
+    RELAY_WINDOW_S = 2.0  # a launcher relays within milliseconds; a person presses again later
 
     def __init__(self):
-        self.signal_name = None
+        self.signal_name, self.first_signal_at = None, None
         self.previous = {
             signum: signal.signal(signum, self._handle) for signum in (signal.SIGTERM, signal.SIGINT)
         }
@@ -219,8 +225,12 @@ class PreemptionHandler:
             signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
-        signal.signal(signum, signal.SIG_DFL)
+        now = time.monotonic()
+        if self.first_signal_at is None:  # the stop: noted, acted on after the step
+            self.signal_name, self.first_signal_at = signal.Signals(signum).name, now
+        elif now - self.first_signal_at >= self.RELAY_WINDOW_S:  # a second stop: at once
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
 
     @property
     def exit_code(self) -> int:

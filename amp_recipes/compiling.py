@@ -13,8 +13,9 @@ logger = get_logger(__name__)
 def dynamo_plugin(args) -> TorchDynamoPlugin | None:
     """accelerate's torch.compile settings for --torch_compile (None without it).
 
-    - dynamic=True: one graph serves every padded sequence length and batch size. `accelerate
-      launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False, which the plugin would read: each new
+    - dynamic=True: one graph serves every padded sequence length and batch size. accelerate
+      1.15's `accelerate launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False (1.16 only with
+      --dynamo_use_dynamic given), which the plugin would read: each new
       length would then recompile, up to dynamo's limit of 8, after which the model silently runs
       uncompiled (measured: 8 graphs and the limit hit within 8 MRPC steps; dynamic: 3 graphs).
       Static shapes over length buckets (padding to multiples of 32) were measured as the other

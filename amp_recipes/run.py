@@ -62,6 +62,7 @@ class TrainingRun:
         self.step, self.epoch, self.batches_in_epoch, self.results = 0, 0, 0, {}
         self.progress = self.preemption = self.activations = None
         self.initial_weights = None
+        self.last_checkpoint = None  # ((step, epoch, batches_in_epoch), path) of the last one written
         self.ended = False  # the trackers end with a finished or preempted run, not a failed one
 
     def __enter__(self) -> TrainingRun:
@@ -223,14 +224,21 @@ class TrainingRun:
             "batches_in_epoch": self.batches_in_epoch if batches_in_epoch is None else batches_in_epoch,
             "telemetry": self.telemetry.state_dict(),  # AMP: skipped-step counts (the GradScaler's own)
         }
-        return checkpoint.save_checkpoint(
+        path = checkpoint.save_checkpoint(
             self.accelerator, self.checkpoints_dir, self.step, position, self.args.save_total_limit
         )
+        self.last_checkpoint = ((self.step, position["epoch"], position["batches_in_epoch"]), path)
+        return path
 
     def stop_if_preempted(self) -> None:
         """After a SIGTERM/SIGINT: a checkpoint, then exit 143 (SIGTERM) or 130 (SIGINT)."""
         if self.preemption.should_stop(self.accelerator, self.step):
-            path = self.save_checkpoint()
+            # The checkpoint of this very position if --checkpointing_steps just wrote it (with
+            # several processes the stop comes at a multiple of 10 steps, often one): writing it
+            # again would cost the launcher's grace time and replace a complete checkpoint.
+            position, path = self.last_checkpoint or (None, None)
+            if position != (self.step, self.epoch, self.batches_in_epoch):
+                path = self.save_checkpoint()
             logger.warning(self.preemption.stop_message(self.step, path))
             self.ended = True
             raise SystemExit(self.preemption.exit_code)

@@ -248,7 +248,9 @@ def run_one(args, arm: str, seed: int) -> dict:
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
             returncode = process.wait()
-        except KeyboardInterrupt:  # Ctrl-C reached the run too: it stops after its step, with a checkpoint
+        # Ctrl-C reached the run too: it stops after its step, with a checkpoint (within the
+        # launcher's grace: docs/checkpoints.md); the launcher's relay of it is not a second Ctrl-C.
+        except KeyboardInterrupt:
             process.wait()
             raise SystemExit(
                 f"interrupted during {arm} seed {seed}; run the same command again to continue (finished "

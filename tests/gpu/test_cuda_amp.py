@@ -226,7 +226,7 @@ def test_recipe_under_fsdp_on_one_gpu(tmp_path):
             "--checkpointing_steps",
             1,
             "--logging_steps",
-            1,  # FSDP2's clip_grad_norm_ returns a DTensor: each log line reads it
+            1,  # FSDP2's clip_grad_norm_ returns a DTensor (accelerate 1.15): each log line reads it
             "--output_dir",
             output_dir,
         ),

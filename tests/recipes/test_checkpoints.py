@@ -86,14 +86,18 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
 
 def test_ctrl_c_stops_after_the_step_with_130_and_a_second_one_at_once(tmp_path):
     """SIGINT is recorded (the loop stops after its step and exits 130, as the SIGTERM test shows
-    for 143); a second SIGINT gets the default action: the process ends at once."""
+    for 143); the SIGTERM a launcher passes on right after it is the same stop (still 130, still
+    running); a second SIGINT, RELAY_WINDOW_S later, gets the default action: the process ends at
+    once. (The relay through a real launcher: tests/recipes/test_scale_out.py.)"""
     code = (
-        "import os, signal\n"
+        "import os, signal, time\n"
         "from amp_recipes.checkpoint import PreemptionHandler\n"
         "class OneProcess: num_processes = 1\n"
         "handler = PreemptionHandler()\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"  # the launcher passing Ctrl-C on
         "print(handler.should_stop(OneProcess(), 1), handler.exit_code, flush=True)\n"
+        "time.sleep(handler.RELAY_WINDOW_S + 0.2)\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "print('still running', flush=True)\n"
     )

@@ -15,9 +15,11 @@ import threading
 import time
 from pathlib import Path
 
+import accelerate
 import pytest
 import torch
 from conftest import RECIPES, REPO, accelerate_launch, free_port, glue_flags, offline_env
+from packaging.version import Version
 from safetensors.torch import load_file
 
 from amp_recipes.checkpoint import LATEST, MARKER, complete_checkpoints, read_checkpoint
@@ -39,7 +41,7 @@ TRAINING = [
     ),
 ]
 # The launcher's grace between its SIGTERM and its SIGKILL to the ranks still running
-# (torch.distributed.elastic: LocalElasticAgent._shutdown(timeout=30)).
+# (torch.distributed.elastic's agent: 30 s; from torch 2.13 LaunchConfig.shutdown_timeout).
 LAUNCHER_GRACE_S = 30
 
 
@@ -265,6 +267,57 @@ def test_a_rank_killed_mid_epoch_ends_the_launch_and_the_run_resumes(victim, uni
     assert (stale in resumed_output) == (stale_pid is not None)
     assert_same_weights(final_weights(output_dir), final_weights(uninterrupted))
     assert not (output_dir / LOCK).exists()
+
+
+@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "two-processes"])
+def test_a_signal_to_the_whole_launch_checkpoints_and_the_run_resumes(processes, uninterrupted, tmp_path):
+    """SIGTERM to the launch's process group, as `kill -- -PGID` (and Ctrl-C, as SIGINT) send it.
+    One process: the signal reaches the run, its DataLoader workers and the launcher, which passes
+    it on to all of them at once (accelerate >= 1.16) and kills them 5 s later; the run must not
+    take that relay for a second signal, nor lose a worker to it. Two processes: torchrun's workers
+    have sessions of their own, which its agent signals. Either way the run stops after a step
+    with one checkpoint of it, 143, leaves no process behind, and resumes."""
+    output_dir = tmp_path / "out"
+    workers = ["--dataloader_num_workers", 2]  # the default on CUDA
+    if processes == 2:
+        launch = accelerate_launch(*two_processes(free_port()), *TRAINING, *workers)
+    else:  # the same 8 samples per optimizer step, in one process
+        layout = ["--num_processes", 1, "--num_cpu_threads_per_process", 1]
+        launch = accelerate_launch(*layout, *TRAINING, *workers, "--per_device_train_batch_size", 8)
+    launch += ["--output_dir", output_dir]
+    process = subprocess.Popen(
+        [str(c) for c in launch],
+        cwd=REPO,
+        env=offline_env(tmp_path, AMP_SCALE_OUT_TEST=tmp_path, **CPU_GROUP),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, which the test signals as a whole
+    )
+    wait_for_checkpoint(process, output_dir / "checkpoints", "checkpoint-5")  # step 5 of 30
+    os.killpg(process.pid, signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    # accelerate 1.15's launchers do not pass the signal's code on: its one-process launcher dies
+    # of the signal itself, its torchrun launcher raises.
+    relaying = Version(accelerate.__version__) >= Version("1.16")
+    assert process.returncode == (143 if relaying else -signal.SIGTERM if processes == 1 else 1), output[
+        -3000:
+    ]
+    assert "Stopped by SIGTERM after step" in output, output[-3000:]
+    wait_gone(tmp_path, timeout=10)
+    latest = assert_checkpoints_intact(output_dir / "checkpoints", at_least=5)
+    stopped_at = output_dir / "checkpoints" / latest
+    assert f"checkpoint {stopped_at}. Continue with" in output  # the one it stopped with,
+    assert output.count(f"Saved checkpoint {stopped_at}\n") == 1  # written once (step 10 of 2 processes)
+    assert not (output_dir / "eval_results.json").exists()
+
+    resumed = start([*launch, "--resume_from_checkpoint", "latest"], tmp_path)
+    resumed_output, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, resumed_output[-3000:]
+    assert f"{latest} at step {latest.split('-')[1]}" in resumed_output
+    assert json.loads((output_dir / "eval_results.json").read_text())["train_steps"] == 30
+    if processes == 2:
+        assert_same_weights(final_weights(output_dir), final_weights(uninterrupted))
 
 
 def test_a_hung_rank_ends_the_run_after_the_ddp_timeout(tmp_path):

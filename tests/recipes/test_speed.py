@@ -65,8 +65,8 @@ def test_a_second_run_reads_datasets_cache_and_a_changed_flag_tokenises_again(tm
 
 def compile_run(recipe, tmp_path, monkeypatch, *extra):
     """The tiny model compiled (dynamo's `eager` backend: the graphs without inductor's codegen) on
-    MRPC batches of many padded lengths, launched as `accelerate launch` would: it exports
-    ACCELERATE_DYNAMO_USE_DYNAMIC=False, which made every new length recompile."""
+    MRPC batches of many padded lengths, launched as accelerate 1.15's `accelerate launch` would:
+    it exports ACCELERATE_DYNAMO_USE_DYNAMIC=False, which made every new length recompile."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")
@@ -107,7 +107,7 @@ def test_torch_compile_compiles_a_bounded_number_of_graphs(recipe, tmp_path, mon
 
 
 def test_a_hit_recompile_limit_is_reported_in_our_log(recipe, tmp_path, monkeypatch, caplog):
-    """Shapes marked static (what `accelerate launch` asks by default) recompile per length until
+    """Shapes marked static (what accelerate 1.15's `accelerate launch` asks by default) recompile per length until
     dynamo gives up; the run says so, and eval_results.json records it."""
     caplog.set_level("WARNING")
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)

@@ -144,7 +144,8 @@ dist.destroy_process_group()
 
 
 def test_an_fsdp2_dtensor_grad_norm_is_read_as_a_number(tmp_path):
-    """Under FSDP2 accelerator.clip_grad_norm_ returns a DTensor; stacking it with plain tensors
+    """Under FSDP2 accelerator.clip_grad_norm_ returns a DTensor (accelerate 1.15; 1.16 a plain
+    tensor, which the same code reads); stacking it with plain tensors
     and calling .tolist() raised "not supported for tensor subclasses" at the first log line."""
     import socket
     import subprocess
