@@ -18,7 +18,7 @@ resident memory of the process and its CPU seconds in user and kernel mode (read
 with wait4, the same way for both sides; on a GPU each side also reports torch's
 max_memory_allocated) and the task's metrics; and, to tell a slow run's cause, what else took
 the CPU meanwhile: the machine's stolen time (on a virtual machine, /proc/stat's `steal`) and the
-times another process preempted the run. On a CPU the peak RSS is the live tensors plus what
+times the scheduler preempted the run's threads. On a CPU the peak RSS is the live tensors plus what
 glibc's allocator keeps after freeing, which varies with the order of allocations from run to run;
 --malloc_mmap_threshold takes the second part out of both sides. Per side: the
 mean and spread over seeds. Between the sides: the time and memory ratios (of the means; and per
@@ -637,7 +637,7 @@ def markdown(args, summary: dict) -> str:
         )
     for name, label, digits in (
         ("machine_steal_seconds", "CPU time the hypervisor took from this machine during the run, s", 1),
-        ("involuntary_context_switches", "times another process preempted the run", 0),
+        ("involuntary_context_switches", "times the run's threads were preempted (involuntary switches)", 0),
     ):
         if name in sides["recipe"] and name in sides["trainer"]:
             seeds = {
