@@ -20,7 +20,9 @@ max_memory_allocated) and the task's metrics; and, to tell a slow run's cause, w
 the CPU meanwhile: the machine's stolen time (on a virtual machine, /proc/stat's `steal`) and the
 times the scheduler preempted the run's threads. On a CPU the peak RSS is the live tensors plus what
 glibc's allocator keeps after freeing, which varies with the order of allocations from run to run;
---malloc_mmap_threshold takes the second part out of both sides. Per side: the
+--malloc_mmap_threshold takes the second part out of both sides, and --malloc_env sets any of
+glibc's other MALLOC_*_ variables in both (e.g. a large MALLOC_TOP_PAD_ and trim threshold, which
+keep freed memory for reuse). Per side: the
 mean and spread over seeds. Between the sides: the time and memory ratios (of the means; and per
 seed, with their geometric mean and its 95% interval), and each metric's paired difference
 (recipe - Trainer) with its 95% interval over seeds (Student t). Writes
@@ -34,6 +36,7 @@ import collections
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -133,6 +136,13 @@ def parse_args(argv=None):
         "of that size or more go back to the system at once, so the peak RSS follows the live tensors "
         "rather than what the allocator keeps (slower: more page faults). Default: glibc's own.",
     )
+    parser.add_argument(
+        "--malloc_env",
+        default="",
+        help="More of glibc's malloc variables for both sides, space-separated NAME=BYTES, e.g. "
+        "'MALLOC_TOP_PAD_=1073741824 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_MMAP_THRESHOLD_=33554432' "
+        "(keep freed memory for reuse). Default: none.",
+    )
     parser.add_argument("--output_dir", help="Default: bench_results/trainer-<task>-<time>.")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: spec.json,result.json
     args = parser.parse_args(argv)
@@ -146,12 +156,31 @@ def parse_args(argv=None):
     if bool(args.train_file) != bool(args.validation_file):
         parser.error("give both --train_file and --validation_file, or neither.")
     args.max_seq_length = args.max_seq_length or (384 if args.task == "qa" else 128)
+    try:
+        args.malloc_env = malloc_env(args.malloc_mmap_threshold, args.malloc_env)
+    except ValueError as error:
+        parser.error(str(error))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.output_dir = Path(args.output_dir or f"bench_results/trainer-{args.task}-{stamp}")
     return args
 
 
 # ----------------------------------------------------------------------------- the Trainer side (a child process)
+def malloc_env(mmap_threshold: int | None, settings: str) -> dict[str, str]:
+    """The glibc malloc variables both sides run under: --malloc_mmap_threshold and --malloc_env's
+    NAME=BYTES pairs. glibc reads them once, at the process's first allocation, and ignores a
+    misspelt name, so only its MALLOC_*_ names with a whole number of bytes are taken."""
+    env = {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)} if mmap_threshold else {}
+    for setting in settings.split():
+        name, _, value = setting.partition("=")
+        if not re.fullmatch(r"MALLOC_[A-Z_]+_", name) or not value.isdigit():
+            raise ValueError(f"--malloc_env takes glibc's MALLOC_*_=BYTES settings, got {setting!r}")
+        if name in env:
+            raise ValueError(f"{name} is given twice (--malloc_mmap_threshold sets MALLOC_MMAP_THRESHOLD_)")
+        env[name] = value
+    return env
+
+
 def first_rows(splits, spec) -> dict:
     """The train and validation splits cut to --max_train_samples / --max_eval_samples by the rule
     the recipes use (amp_recipes.batches.first_rows), so that both sides see the same rows."""
@@ -439,6 +468,8 @@ def trainer_worker(spec: dict) -> dict:
         "eval_seconds": time.perf_counter() - started,
         **{f"eval_{name}": float(value) for name, value in scores.items()},
     }
+    # What glibc ran this process under (--malloc_env), read back from the process itself.
+    result["malloc_env"] = {name: value for name, value in os.environ.items() if name.startswith("MALLOC_")}
     result["reported_peak_memory_bytes"] = peak_memory_bytes(trainer.args.device)  # as the recipe reports it
     return result
 
@@ -535,9 +566,7 @@ def run_side(args, side: str, seed: int, work_dir: Path) -> dict:
         spec_path, result_path = work_dir / "spec.json", work_dir / "result.json"
         spec_path.write_text(json.dumps(spec_of(args, seed, work_dir / "run")))
         command = [sys.executable, __file__, "--worker", f"{spec_path},{result_path}"]
-    env = None
-    if args.malloc_mmap_threshold:  # glibc: freed blocks of this size or more go back to the system
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)}
+    env = {**os.environ, **args.malloc_env} if args.malloc_env else None
     wall, usage, completed = run_process(command, env)
     if completed.returncode != 0:
         raise SystemExit(f"{side} (seed {seed}) failed:\n{completed.stderr[-3000:]}")
@@ -606,8 +635,9 @@ def markdown(args, summary: dict) -> str:
         + f"seeds {','.join(map(str, args.seeds))}"
     )
     lines = [f"Work: {work}. Means over seeds (sd); ratio = recipe / Trainer.", ""]
-    if args.malloc_mmap_threshold:
-        lines[0] += f" Both under MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold} (glibc)."
+    if args.malloc_env:
+        settings = " ".join(f"{name}={value}" for name, value in args.malloc_env.items())
+        lines[0] += f" Both under {settings} (glibc)."
     lines += ["| figure | recipe | Trainer | ratio or difference (95% interval) |", "|---|---|---|---|"]
     sides = summary["sides"]
 

@@ -84,6 +84,7 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
     command += ["--train_file", SQUAD / "train.json", "--validation_file", SQUAD / "dev.json"]
     command += ["--max_train_samples", 24, "--max_eval_samples", 12, "--max_seq_length", 128]
     command += ["--doc_stride", 32, "--per_device_train_batch_size", 8, "--malloc_mmap_threshold", 2**20]
+    command += ["--malloc_env", "MALLOC_TOP_PAD_=65536"]
     done = run(command, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     order = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("seed ")]
@@ -100,6 +101,8 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
             assert 0 <= result["eval_exact_match"] <= result["eval_f1"] <= 100
             assert result["involuntary_context_switches"] >= 0
             assert result["machine_steal_seconds"] >= 0  # a Linux machine: /proc/stat is there
+    malloc = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TOP_PAD_": "65536"}
+    assert all(run["malloc_env"] == malloc for run in report["runs"]["trainer"])  # what the child saw
     assert [r["train_steps"] for r in report["runs"]["recipe"]] == [
         r["train_steps"] for r in report["runs"]["trainer"]
     ]
@@ -127,7 +130,7 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
         table,
     )
     assert "| training, s |" in table and "| eval_f1 |" in table and "Still different:" in table
-    assert "Both under MALLOC_MMAP_THRESHOLD_=1048576 (glibc)." in table
+    assert "Both under MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TOP_PAD_=65536 (glibc)." in table
     steal = [f"{r['machine_steal_seconds']:.1f}" for r in report["runs"]["recipe"]]
     assert "| CPU time the hypervisor took from this machine during the run, s |" in table
     assert f"per seed: recipe {' / '.join(steal)}, Trainer " in table
@@ -142,6 +145,26 @@ def test_stolen_cpu_time_is_read_from_proc_stat(script, tmp_path):
     stat.write_text("cpu  5548142 627299 1250668 4005015\n")  # Linux before 2.6.11
     assert script.stolen_cpu_seconds(str(stat)) is None
     assert script.stolen_cpu_seconds(str(tmp_path / "missing")) is None
+
+
+def test_malloc_settings_are_checked_before_any_run(script, capsys):
+    """glibc ignores a misspelt MALLOC_ name silently: the script refuses it, and a setting given
+    twice, before an hour of runs under the wrong allocator."""
+    base = ["--task", "glue", "--model_name_or_path", str(TINY_BERT)]
+    args = script.parse_args(
+        [*base, "--malloc_mmap_threshold", "131072", "--malloc_env", "MALLOC_TOP_PAD_=1024"]
+    )
+    assert args.malloc_env == {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TOP_PAD_": "1024"}
+    assert script.parse_args(base).malloc_env == {}
+    for settings, message in [
+        ("MALLOC_TOP_PAD=1024", "MALLOC_*_=BYTES"),  # glibc's names end in an underscore
+        ("MALLOC_TOP_PAD_=1G", "MALLOC_*_=BYTES"),
+        ("TOP_PAD_=1024", "MALLOC_*_=BYTES"),
+        ("MALLOC_MMAP_THRESHOLD_=1024", "given twice"),
+    ]:
+        with pytest.raises(SystemExit):
+            script.parse_args([*base, "--malloc_mmap_threshold", "131072", "--malloc_env", settings])
+        assert message in capsys.readouterr().err
 
 
 def test_the_glue_and_ner_trainer_sides_train_and_score(script, tmp_path):
