@@ -165,7 +165,6 @@ def parse_args(argv=None):
     return args
 
 
-# ----------------------------------------------------------------------------- the Trainer side (a child process)
 def malloc_env(mmap_threshold: int | None, settings: str) -> dict[str, str]:
     """The glibc malloc variables both sides run under: --malloc_mmap_threshold and --malloc_env's
     NAME=BYTES pairs. glibc reads them once, at the process's first allocation, and ignores a
@@ -176,11 +175,14 @@ def malloc_env(mmap_threshold: int | None, settings: str) -> dict[str, str]:
         if not re.fullmatch(r"MALLOC_[A-Z_]+_", name) or not value.isdigit():
             raise ValueError(f"--malloc_env takes glibc's MALLOC_*_=BYTES settings, got {setting!r}")
         if name in env:
-            raise ValueError(f"{name} is given twice (--malloc_mmap_threshold sets MALLOC_MMAP_THRESHOLD_)")
+            raise ValueError(
+                f"{name} is given twice (note: --malloc_mmap_threshold sets MALLOC_MMAP_THRESHOLD_)"
+            )
         env[name] = value
     return env
 
 
+# ----------------------------------------------------------------------------- the Trainer side (a child process)
 def first_rows(splits, spec) -> dict:
     """The train and validation splits cut to --max_train_samples / --max_eval_samples by the rule
     the recipes use (amp_recipes.batches.first_rows), so that both sides see the same rows."""
