@@ -21,7 +21,7 @@ the CPU meanwhile: the machine's stolen time (on a virtual machine, /proc/stat's
 times the scheduler preempted the run's threads. On a CPU the peak RSS is the live tensors plus what
 glibc's allocator keeps after freeing, which varies with the order of allocations from run to run;
 --malloc_mmap_threshold takes the second part out of both sides, and --malloc_env sets any of
-glibc's other MALLOC_*_ variables in both (e.g. a large MALLOC_TOP_PAD_ and trim threshold, which
+glibc's other malloc variables (mallopt(3)) in both (e.g. a large MALLOC_TOP_PAD_ and trim threshold, which
 keep freed memory for reuse). Per side: the
 mean and spread over seeds. Between the sides: the time and memory ratios (of the means; and per
 seed, with their geometric mean and its 95% interval), and each metric's paired difference
@@ -36,7 +36,6 @@ import collections
 import json
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -139,7 +138,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--malloc_env",
         default="",
-        help="More of glibc's malloc variables for both sides, space-separated NAME=BYTES, e.g. "
+        help="More of glibc's malloc variables (mallopt(3)) for both sides, space-separated NAME=NUMBER, e.g. "
         "'MALLOC_TOP_PAD_=1073741824 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_MMAP_THRESHOLD_=33554432' "
         "(keep freed memory for reuse). Default: none.",
     )
@@ -165,15 +164,31 @@ def parse_args(argv=None):
     return args
 
 
+# glibc's malloc environment variables (mallopt(3)); it reads them once, at the process's first
+# allocation, and ignores any other name without a word.
+GLIBC_MALLOC_VARIABLES = (
+    "MALLOC_ARENA_MAX",
+    "MALLOC_ARENA_TEST",
+    "MALLOC_CHECK_",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_PERTURB_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_TRIM_THRESHOLD_",
+)
+
+
 def malloc_env(mmap_threshold: int | None, settings: str) -> dict[str, str]:
     """The glibc malloc variables both sides run under: --malloc_mmap_threshold and --malloc_env's
-    NAME=BYTES pairs. glibc reads them once, at the process's first allocation, and ignores a
-    misspelt name, so only its MALLOC_*_ names with a whole number of bytes are taken."""
+    NAME=NUMBER pairs, each NAME one glibc reads (a misspelt one would be ignored in silence)."""
     env = {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)} if mmap_threshold else {}
     for setting in settings.split():
         name, _, value = setting.partition("=")
-        if not re.fullmatch(r"MALLOC_[A-Z_]+_", name) or not value.isdigit():
-            raise ValueError(f"--malloc_env takes glibc's MALLOC_*_=BYTES settings, got {setting!r}")
+        if name not in GLIBC_MALLOC_VARIABLES or not value.isdigit():
+            raise ValueError(
+                f"--malloc_env takes NAME=NUMBER with a NAME of {', '.join(GLIBC_MALLOC_VARIABLES)}; "
+                f"got {setting!r}"
+            )
         if name in env:
             raise ValueError(
                 f"{name} is given twice (note: --malloc_mmap_threshold sets MALLOC_MMAP_THRESHOLD_)"
