@@ -96,6 +96,18 @@ def device_facts(device: torch.device | None = None) -> dict:
     return facts
 
 
+def transparent_huge_pages(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str | None:
+    """The kernel's transparent huge page mode (`always`, `madvise` or `never`; None off Linux):
+    under `madvise`, only memory a program asks for gets them (torch: THP_MEM_ALLOC_ENABLE=1)."""
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
 def hardware_record(device: torch.device | None = None) -> dict:
     import accelerate
     import transformers
@@ -112,6 +124,7 @@ def hardware_record(device: torch.device | None = None) -> dict:
         "transformers": transformers.__version__,
         "accelerate": accelerate.__version__,
         "tf32_matmul_allowed": tf32_matmul_enabled(),
+        "transparent_huge_pages": transparent_huge_pages(),
     }
     record.update(device_facts(device))
     if device.type == "cuda":

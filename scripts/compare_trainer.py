@@ -22,7 +22,9 @@ times the scheduler preempted the run's threads. On a CPU the peak RSS is the li
 glibc's allocator keeps after freeing, which varies with the order of allocations from run to run;
 --malloc_mmap_threshold takes the second part out of both sides, and --malloc_env sets any of
 glibc's other malloc variables (mallopt(3)) in both (e.g. a large MALLOC_TOP_PAD_ and trim threshold, which
-keep freed memory for reuse). Per side: the
+keep freed memory for reuse). Each new page the process touches costs a page fault, in which the
+kernel zeroes it: --huge_pages puts both sides' CPU tensors of 2 MB or more on 2 MiB pages instead of
+4 KiB ones. Per side: the
 mean and spread over seeds. Between the sides: the time and memory ratios (of the means; and per
 seed, with their geometric mean and its 95% interval), and each metric's paired difference
 (recipe - Trainer) with its 95% interval over seeds (Student t). Writes
@@ -142,6 +144,13 @@ def parse_args(argv=None):
         "'MALLOC_TOP_PAD_=1073741824 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_MMAP_THRESHOLD_=33554432' "
         "(keep freed memory for reuse). Default: none.",
     )
+    parser.add_argument(
+        "--huge_pages",
+        action="store_true",
+        help="Run both sides with torch's THP_MEM_ALLOC_ENABLE=1: CPU tensors of 2 MB or more on "
+        "transparent huge pages (the kernel's transparent_hugepage must be `madvise` or `always`), one "
+        "page fault per 2 MiB instead of 512. Default: the kernel's 4 KiB pages.",
+    )
     parser.add_argument("--output_dir", help="Default: bench_results/trainer-<task>-<time>.")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: spec.json,result.json
     args = parser.parse_args(argv)
@@ -155,8 +164,14 @@ def parse_args(argv=None):
     if bool(args.train_file) != bool(args.validation_file):
         parser.error("give both --train_file and --validation_file, or neither.")
     args.max_seq_length = args.max_seq_length or (384 if args.task == "qa" else 128)
+    if args.huge_pages:
+        from amp_recipes.hardware import transparent_huge_pages
+
+        mode = transparent_huge_pages()
+        if mode not in ("always", "madvise"):  # `never`: torch's request would change nothing
+            parser.error(f"--huge_pages needs the kernel's transparent huge pages; this one's are {mode}.")
     try:
-        args.malloc_env = malloc_env(args.malloc_mmap_threshold, args.malloc_env)
+        args.allocator_env = allocator_env(args.malloc_mmap_threshold, args.malloc_env, args.huge_pages)
     except ValueError as error:
         parser.error(str(error))
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -178,9 +193,14 @@ GLIBC_MALLOC_VARIABLES = (
 )
 
 
-def malloc_env(mmap_threshold: int | None, settings: str) -> dict[str, str]:
-    """The glibc malloc variables both sides run under: --malloc_mmap_threshold and --malloc_env's
-    NAME=NUMBER pairs, each NAME one glibc reads (a misspelt one would be ignored in silence)."""
+# torch's own (c10/core/alloc_cpu.cpp): CPU tensors of 2 MB or more are madvise(MADV_HUGEPAGE)d.
+TORCH_HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
+
+
+def allocator_env(mmap_threshold: int | None, settings: str, huge_pages: bool = False) -> dict[str, str]:
+    """The allocator variables the flags set for both sides: --malloc_mmap_threshold and
+    --malloc_env's NAME=NUMBER pairs, each NAME one glibc reads (a misspelt one would be ignored in
+    silence), and --huge_pages."""
     env = {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)} if mmap_threshold else {}
     for setting in settings.split():
         name, _, value = setting.partition("=")
@@ -194,7 +214,16 @@ def malloc_env(mmap_threshold: int | None, settings: str) -> dict[str, str]:
                 f"{name} is given twice (note: --malloc_mmap_threshold sets MALLOC_MMAP_THRESHOLD_)"
             )
         env[name] = value
+    if huge_pages:
+        env[TORCH_HUGE_PAGES] = "1"
     return env
+
+
+def allocator_settings(flags: dict[str, str], environ=os.environ) -> dict[str, str]:
+    """What both sides run under: the allocator variables of this shell (each child inherits
+    them), overridden by the flags'."""
+    names = (*GLIBC_MALLOC_VARIABLES, TORCH_HUGE_PAGES)
+    return {**{name: environ[name] for name in names if name in environ}, **flags}
 
 
 # ----------------------------------------------------------------------------- the Trainer side (a child process)
@@ -485,8 +514,8 @@ def trainer_worker(spec: dict) -> dict:
         "eval_seconds": time.perf_counter() - started,
         **{f"eval_{name}": float(value) for name, value in scores.items()},
     }
-    # What glibc ran this process under (--malloc_env), read back from the process itself.
-    result["malloc_env"] = {name: value for name, value in os.environ.items() if name.startswith("MALLOC_")}
+    # What glibc and torch's CPU allocator ran this process under, read back from the process itself.
+    result["allocator_env"] = allocator_settings({})
     result["reported_peak_memory_bytes"] = peak_memory_bytes(trainer.args.device)  # as the recipe reports it
     return result
 
@@ -583,7 +612,7 @@ def run_side(args, side: str, seed: int, work_dir: Path) -> dict:
         spec_path, result_path = work_dir / "spec.json", work_dir / "result.json"
         spec_path.write_text(json.dumps(spec_of(args, seed, work_dir / "run")))
         command = [sys.executable, __file__, "--worker", f"{spec_path},{result_path}"]
-    env = {**os.environ, **args.malloc_env} if args.malloc_env else None
+    env = {**os.environ, **args.allocator_env} if args.allocator_env else None
     wall, usage, completed = run_process(command, env)
     if completed.returncode != 0:
         raise SystemExit(f"{side} (seed {seed}) failed:\n{completed.stderr[-3000:]}")
@@ -652,9 +681,18 @@ def markdown(args, summary: dict) -> str:
         + f"seeds {','.join(map(str, args.seeds))}"
     )
     lines = [f"Work: {work}. Means over seeds (sd); ratio = recipe / Trainer.", ""]
-    if args.malloc_env:
-        settings = " ".join(f"{name}={value}" for name, value in args.malloc_env.items())
-        lines[0] += f" Both under {settings} (glibc)."
+    settings = allocator_settings(args.allocator_env)
+    glibc = " ".join(f"{name}={value}" for name, value in settings.items() if name != TORCH_HUGE_PAGES)
+    if glibc:
+        lines[0] += f" Both under {glibc} (glibc)."
+    if TORCH_HUGE_PAGES in settings:
+        from amp_recipes.hardware import transparent_huge_pages
+
+        mode = transparent_huge_pages() or "unknown"
+        lines[0] += (
+            f" Both under {TORCH_HUGE_PAGES}={settings[TORCH_HUGE_PAGES]} (torch: with 1, CPU tensors of "
+            f"2 MB or more on transparent huge pages; the kernel's mode: {mode})."
+        )
     lines += ["| figure | recipe | Trainer | ratio or difference (95% interval) |", "|---|---|---|---|"]
     sides = summary["sides"]
 
@@ -731,6 +769,7 @@ def main(argv=None) -> dict:
     from amp_recipes.hardware import hardware_record
 
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "hardware": hardware_record()}
+    record["allocator_env"] = allocator_settings(args.allocator_env)  # the shell's and the flags
     payload = {**record, "runs": runs, "summary": summary, "differences": DIFFERENCES}
     (args.output_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str))
     (args.output_dir / "results.md").write_text(table)

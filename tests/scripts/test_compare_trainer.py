@@ -14,7 +14,7 @@ import pytest
 from conftest import BERT_BASE_CONFIG, GLUE_DIR, REPO, TINY_BERT, load_module, run
 from transformers import AutoTokenizer
 
-from amp_recipes import ner, qa
+from amp_recipes import hardware, ner, qa
 
 pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
 
@@ -85,6 +85,8 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
     command += ["--max_train_samples", 24, "--max_eval_samples", 12, "--max_seq_length", 128]
     command += ["--doc_stride", 32, "--per_device_train_batch_size", 8, "--malloc_mmap_threshold", 2**20]
     command += ["--malloc_env", "MALLOC_TOP_PAD_=65536"]
+    huge_pages = hardware.transparent_huge_pages() in ("always", "madvise")  # else --huge_pages is refused
+    command += ["--huge_pages"] * huge_pages
     done = run(command, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     order = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("seed ")]
@@ -101,8 +103,11 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
             assert 0 <= result["eval_exact_match"] <= result["eval_f1"] <= 100
             assert result["involuntary_context_switches"] >= 0
             assert result["machine_steal_seconds"] >= 0  # a Linux machine: /proc/stat is there
-    malloc = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TOP_PAD_": "65536"}
-    assert all(run["malloc_env"] == malloc for run in report["runs"]["trainer"])  # what the child saw
+    settings = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TOP_PAD_": "65536"}
+    settings.update({"THP_MEM_ALLOC_ENABLE": "1"} if huge_pages else {})
+    assert all(run["allocator_env"] == settings for run in report["runs"]["trainer"])  # what the child saw
+    assert report["allocator_env"] == settings
+    assert report["hardware"]["transparent_huge_pages"] in ("always", "madvise", "never", None)
     assert [r["train_steps"] for r in report["runs"]["recipe"]] == [
         r["train_steps"] for r in report["runs"]["trainer"]
     ]
@@ -131,6 +136,10 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
     )
     assert "| training, s |" in table and "| eval_f1 |" in table and "Still different:" in table
     assert "Both under MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TOP_PAD_=65536 (glibc)." in table
+    if huge_pages:
+        mode = report["hardware"]["transparent_huge_pages"]
+        assert "Both under THP_MEM_ALLOC_ENABLE=1 (torch: with 1, CPU tensors of 2 MB or more on " in table
+        assert f"the kernel's mode: {mode})." in table
     steal = [f"{r['machine_steal_seconds']:.1f}" for r in report["runs"]["recipe"]]
     assert "| CPU time the hypervisor took from this machine during the run, s |" in table
     assert f"per seed: recipe {' / '.join(steal)}, Trainer " in table
@@ -147,7 +156,7 @@ def test_stolen_cpu_time_is_read_from_proc_stat(script, tmp_path):
     assert script.stolen_cpu_seconds(str(tmp_path / "missing")) is None
 
 
-def test_malloc_settings_are_checked_before_any_run(script, capsys):
+def test_malloc_settings_are_checked_before_any_run(script, capsys, monkeypatch):
     """glibc ignores a misspelt MALLOC_ name silently: the script takes only the names glibc reads
     (some end in an underscore, some do not) and refuses a setting given twice, before an hour of
     runs under the wrong allocator."""
@@ -155,10 +164,24 @@ def test_malloc_settings_are_checked_before_any_run(script, capsys):
     args = script.parse_args(
         [*base, "--malloc_mmap_threshold", "131072", "--malloc_env", "MALLOC_TOP_PAD_=1024"]
     )
-    assert args.malloc_env == {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TOP_PAD_": "1024"}
-    assert script.parse_args(base).malloc_env == {}
+    assert args.allocator_env == {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TOP_PAD_": "1024"}
+    assert script.parse_args(base).allocator_env == {}
     args = script.parse_args([*base, "--malloc_env", "MALLOC_ARENA_MAX=2 MALLOC_TRIM_THRESHOLD_=0"])
-    assert args.malloc_env == {"MALLOC_ARENA_MAX": "2", "MALLOC_TRIM_THRESHOLD_": "0"}
+    assert args.allocator_env == {"MALLOC_ARENA_MAX": "2", "MALLOC_TRIM_THRESHOLD_": "0"}
+    with monkeypatch.context() as patch:  # what this machine's kernel says is not under test here
+        patch.setattr(hardware, "transparent_huge_pages", lambda: "madvise")
+        assert script.parse_args([*base, "--huge_pages"]).allocator_env == {"THP_MEM_ALLOC_ENABLE": "1"}
+        patch.setattr(hardware, "transparent_huge_pages", lambda: "never")
+        with pytest.raises(SystemExit):
+            script.parse_args([*base, "--huge_pages"])  # an hour of runs that would change nothing
+        assert "this one's are never" in capsys.readouterr().err
+    # The report names what both sides inherit from the shell too; a flag overrides the shell.
+    shell = {"MALLOC_ARENA_MAX": "4", "MALLOC_TOP_PAD_": "0", "THP_MEM_ALLOC_ENABLE": "0", "HOME": "/root"}
+    assert script.allocator_settings({"MALLOC_TOP_PAD_": "1024"}, shell) == {
+        "MALLOC_ARENA_MAX": "4",
+        "MALLOC_TOP_PAD_": "1024",
+        "THP_MEM_ALLOC_ENABLE": "0",
+    }
     for settings, message in [
         ("MALLOC_TOP_PAD=1024", "with a NAME of MALLOC_ARENA_MAX, "),  # this one ends in an underscore
         ("MALLOC_TOP_PADD_=1024", "got 'MALLOC_TOP_PADD_=1024'"),
@@ -169,6 +192,38 @@ def test_malloc_settings_are_checked_before_any_run(script, capsys):
         with pytest.raises(SystemExit):
             script.parse_args([*base, "--malloc_mmap_threshold", "131072", "--malloc_env", settings])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    hardware.transparent_huge_pages() not in ("always", "madvise"), reason="no transparent huge pages here"
+)
+def test_huge_pages_reach_torchs_cpu_allocator(script, tmp_path):
+    """--huge_pages works through torch's THP_MEM_ALLOC_ENABLE: a process given the flag's
+    environment madvises a 4 MiB tensor's memory for huge pages (the mapping's `hg` flag), one
+    without does not. A torch that dropped the variable would fail here, not in an hour's run."""
+    probe = (
+        "import torch\n"
+        "x = torch.ones(2**20)\n"  # 4 MiB: over torch's 2 MB threshold
+        "start = x.data_ptr()\n"
+        "lines = open('/proc/self/smaps').read().splitlines()\n"
+        "inside = False\n"
+        "for line in lines:\n"
+        "    first = line.split()[0]\n"
+        "    if '-' in first and not first.endswith(':'):\n"
+        "        low, high = (int(part, 16) for part in first.split('-'))\n"
+        "        inside = low <= start < high\n"
+        "    elif inside and first == 'VmFlags:':\n"
+        "        print(' '.join(line.split()[1:]))\n"
+    )
+    flags = {}
+    for given in ([], ["--huge_pages"]):
+        args = script.parse_args(["--task", "qa", "--model_name_or_path", str(TINY_BERT), *given])
+        env = {"THP_MEM_ALLOC_ENABLE": "0", **args.allocator_env}  # "0": whatever the shell has
+        done = run([sys.executable, "-c", probe], tmp_path, **env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        flags[bool(given)] = done.stdout.split()
+    assert "hg" in flags[True], flags
+    assert "hg" not in flags[False], flags
 
 
 def test_the_glue_and_ner_trainer_sides_train_and_score(script, tmp_path):

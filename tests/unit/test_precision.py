@@ -10,7 +10,7 @@ from accelerate.utils import DistributedType
 
 from amp_recipes import precision
 from amp_recipes.errors import InputError
-from amp_recipes.hardware import device_facts, hardware_record, tf32_matmul_enabled
+from amp_recipes.hardware import device_facts, hardware_record, tf32_matmul_enabled, transparent_huge_pages
 from amp_recipes.precision import (
     check_model_dtype,
     choose_auto_precision,
@@ -326,3 +326,12 @@ def test_fp8_recipe_kwargs_refuse_before_any_accelerator_and_stay_empty_otherwis
     with pytest.raises(InputError, match="use --mixed_precision bf16 instead"):
         fp8_recipe_kwargs(None, None)
     assert fp8_recipe_kwargs("bf16", None) == []  # the flag wins over the launcher
+
+
+def test_the_kernels_huge_page_mode_is_the_bracketed_word(tmp_path):
+    enabled = tmp_path / "enabled"
+    enabled.write_text("always [madvise] never\n")  # what Linux writes: the mode in effect bracketed
+    assert transparent_huge_pages(str(enabled)) == "madvise"
+    enabled.write_text("[always] madvise never\n")
+    assert transparent_huge_pages(str(enabled)) == "always"
+    assert transparent_huge_pages(str(tmp_path / "missing")) is None  # no THP in the kernel, or not Linux
