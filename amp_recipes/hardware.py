@@ -108,6 +108,11 @@ def transparent_huge_pages(path: str = "/sys/kernel/mm/transparent_hugepage/enab
     return text[start + 1 : end] if 0 <= start < end else None
 
 
+def huge_pages_on() -> bool:
+    """Whether a process can get transparent huge pages here by asking (`madvise`) or at all (`always`)."""
+    return transparent_huge_pages() in ("always", "madvise")
+
+
 def hardware_record(device: torch.device | None = None) -> dict:
     import accelerate
     import transformers

@@ -165,10 +165,10 @@ def parse_args(argv=None):
         parser.error("give both --train_file and --validation_file, or neither.")
     args.max_seq_length = args.max_seq_length or (384 if args.task == "qa" else 128)
     if args.huge_pages:
-        from amp_recipes.hardware import transparent_huge_pages
+        from amp_recipes import hardware
 
-        mode = transparent_huge_pages()
-        if mode not in ("always", "madvise"):  # `never`: torch's request would change nothing
+        if not hardware.huge_pages_on():  # `never`: torch's request would change nothing
+            mode = hardware.transparent_huge_pages()
             parser.error(f"--huge_pages needs the kernel's transparent huge pages; this one's are {mode}.")
     try:
         args.allocator_env = allocator_env(args.malloc_mmap_threshold, args.malloc_env, args.huge_pages)

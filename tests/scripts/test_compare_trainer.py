@@ -85,7 +85,7 @@ def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
     command += ["--max_train_samples", 24, "--max_eval_samples", 12, "--max_seq_length", 128]
     command += ["--doc_stride", 32, "--per_device_train_batch_size", 8, "--malloc_mmap_threshold", 2**20]
     command += ["--malloc_env", "MALLOC_TOP_PAD_=65536"]
-    huge_pages = hardware.transparent_huge_pages() in ("always", "madvise")  # else --huge_pages is refused
+    huge_pages = hardware.huge_pages_on()  # else --huge_pages is refused
     command += ["--huge_pages"] * huge_pages
     done = run(command, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -194,9 +194,7 @@ def test_malloc_settings_are_checked_before_any_run(script, capsys, monkeypatch)
         assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(
-    hardware.transparent_huge_pages() not in ("always", "madvise"), reason="no transparent huge pages here"
-)
+@pytest.mark.skipif(not hardware.huge_pages_on(), reason="no transparent huge pages here")
 def test_huge_pages_reach_torchs_cpu_allocator(script, tmp_path):
     """--huge_pages works through torch's THP_MEM_ALLOC_ENABLE: a process given the flag's
     environment madvises a 4 MiB tensor's memory for huge pages (the mapping's `hg` flag), one
