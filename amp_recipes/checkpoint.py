@@ -104,7 +104,9 @@ def resolve_checkpoint(value: str, checkpoints_dir: Path) -> Path:
         path = Path(value)
         if not path.is_dir():
             raise CheckpointError(f"Checkpoint {path} does not exist.")
-        if path.name == "checkpoints" or (path / LATEST).exists():  # a checkpoints folder: its latest
+        # A checkpoints folder: its latest. Not a checkpoint that holds a `latest` of its own
+        # (DeepSpeed writes one beside its shards): our marker says which folder is a checkpoint.
+        if path.name == "checkpoints" or ((path / LATEST).exists() and not (path / MARKER).exists()):
             return resolve_checkpoint("latest", path)
         return path
     pointer = checkpoints_dir / LATEST

@@ -75,6 +75,15 @@ def model_load_errors(model_name_or_path: str, num_labels: int | None = None):
     except RuntimeError as error:
         if "ignore_mismatched_sizes" not in str(error):
             raise
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():  # transformers loads into zero.Init's partitions: no new head
+            raise InputError(
+                f"The classifier head of {model_name_or_path!r} does not have the {num_labels} output(s) this "
+                "task needs, and under DeepSpeed ZeRO-3's zero.Init transformers cannot start a new head "
+                "(--ignore_mismatched_sizes does nothing there): set zero3_init_flag: false in the accelerate "
+                "config, or start from a checkpoint without this head."
+            ) from error
         raise InputError(
             f"The classifier head of {model_name_or_path!r} does not have the {num_labels} output(s) "
             "this task needs; pass --ignore_mismatched_sizes to start a new head."

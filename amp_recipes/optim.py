@@ -43,6 +43,15 @@ def make_optimizer(model, args, device: torch.device) -> torch.optim.AdamW:
     )
 
 
+def describe_optimizer(optimizer) -> str:
+    """'fused AdamW' or 'foreach AdamW': read from the torch optimizer the recipe built, inside the
+    wrappers prepare() puts around it. accelerate's AcceleratedOptimizer forwards `defaults`, but
+    DeepSpeed's ZeRO / fp16 / bf16 optimizers have none: each keeps the one it wraps as `.optimizer`."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return f"{'fused' if optimizer.defaults.get('fused') else 'foreach'} {type(optimizer).__name__}"
+
+
 class Schedule(NamedTuple):
     steps_per_epoch: int
     max_train_steps: int

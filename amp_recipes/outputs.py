@@ -218,18 +218,65 @@ class OutputDir:
 
 
 def plain_state_dict(accelerator, model) -> dict:
-    """The trained weights for `save_pretrained(state_dict=...)`, under the plain model's names.
+    """The trained weights for `save_pretrained(state_dict=...)`, under the plain model's names, in
+    fp32. Every process calls it (FSDP and ZeRO gather from all of them).
 
     accelerate's get_state_dict unwraps with keep_torch_compile=True: after --torch_compile
     (regional compilation, which builds a compiled copy of the model) the names hold `_orig_mod.`,
     and under DDP + compile also `module.`. from_pretrained does not recognise such names: it would
     load freshly initialised weights, with a warning, not an error. So: the plain model's own state
-    dict where every process holds the whole model; under FSDP / ZeRO-3 accelerate's gathered one
-    (FSDP2 and DeepSpeed compile in place; FSDP1 compiles a copy, whose `_orig_mod.` is dropped)."""
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+    dict where every process holds the whole model; under FSDP accelerate's gathered one (FSDP2
+    compiles in place; FSDP1 compiles a copy, whose `_orig_mod.` is dropped); under DeepSpeed the
+    fp32 master weights (`deepspeed_fp32_state_dict`)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return deepspeed_fp32_state_dict(model)
+    if accelerator.distributed_type == DistributedType.FSDP:
         state_dict = accelerator.get_state_dict(model)  # gathered from every process
         return {name.replace("_orig_mod.", ""): tensor for name, tensor in state_dict.items()}
     return accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
+
+
+def deepspeed_fp32_state_dict(engine) -> dict:
+    """The fp32 master weights of a DeepSpeed engine's model, whole, on the CPU.
+
+    Under ZeRO with bf16/fp16 the module's own weights are 16-bit copies and the fp32 masters live
+    in the optimizer, partitioned across processes; accelerate's get_state_dict returns the 16-bit
+    copies (ZeRO-3: only with stage3_gather_16bit_weights_on_model_save). DeepSpeed's
+    safe_get_full_fp32_param gathers each master (a collective: every process calls it, in the same
+    order); a parameter the optimizer does not hold (none in these recipes) is gathered as it is."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    state_dict = {}
+    for name, parameter in module.named_parameters():
+        master = safe_get_full_fp32_param(parameter)
+        if master is None:
+            with deepspeed.zero.GatheredParameters([parameter]):
+                master = parameter.detach().clone()
+        state_dict[name.replace("_orig_mod.", "")] = master.float().cpu()
+    skipped = set()
+    for prefix, submodule in module.named_modules():
+        skipped |= {f"{prefix}.{name}".lstrip(".") for name in submodule._non_persistent_buffers_set}
+    for name, buffer in module.named_buffers():
+        if name not in skipped:
+            state_dict[name.replace("_orig_mod.", "")] = buffer.detach().cpu()
+    return state_dict
+
+
+def write_saved_dtype(folder: Path, state_dict: dict) -> None:
+    """config.json's `dtype` as the saved weights are: save_pretrained writes the module's dtype,
+    which under DeepSpeed bf16/fp16 is that of its 16-bit copies, not of the fp32 masters saved."""
+    path = Path(folder) / "config.json"
+    dtypes = {
+        str(tensor.dtype).replace("torch.", "")
+        for tensor in state_dict.values()
+        if tensor.is_floating_point()
+    }
+    if len(dtypes) == 1:
+        config = json.loads(path.read_text())
+        config["dtype"] = dtypes.pop()
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def claim_output_dir(accelerator, args) -> OutputDir:

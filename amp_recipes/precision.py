@@ -10,6 +10,7 @@ precision checks) and reports what actually happens, so logs never claim fp16 fo
 
 from __future__ import annotations
 
+import contextlib
 import os
 from importlib.metadata import PackageNotFoundError, version
 
@@ -368,6 +369,27 @@ def preflight_checks(
             "it still saves memory. Use --mixed_precision no (or auto) for speed."
         )
     return warnings, refusals
+
+
+@contextlib.contextmanager
+def zero3_init(accelerator: Accelerator):
+    """Around `from_pretrained`: DeepSpeed ZeRO-3's zero.Init only where the config's zero3_init_flag
+    asks for it. transformers builds the model inside zero.Init (weights partitioned, in the
+    config's 16 bits, as they load) whenever a stage-3 DeepSpeed config is registered with it, and
+    accelerate (1.15, 1.16) registers one whatever the flag says. With the flag off the model loads
+    whole, in fp32, and DeepSpeed partitions it at prepare(): training starts from the checkpoint's
+    own weights and --ignore_mismatched_sizes can start a new head. Elsewhere it does nothing."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.is_zero3_init_enabled():
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # registered again, for prepare() and the checkpoints
 
 
 def check_model_dtype(

@@ -40,7 +40,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from . import checkpoint, outputs, records
+from . import checkpoint, optim, outputs, records
 from .compiling import CompileMonitor
 from .errors import TrainingDiverged, lost_rank_message
 from .meters import ThroughputMeter, peak_memory_bytes
@@ -123,7 +123,9 @@ class TrainingRun:
             "distributed_type": accelerator.distributed_type.value,
             "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
             "attn_implementation": config._attn_implementation,  # SDPA: fused
-            "optimizer": f"{'fused' if optimizer.defaults['fused'] else 'foreach'} AdamW",
+            "optimizer": optim.describe_optimizer(
+                optimizer
+            ),  # the torch optimizer inside the engine's wrappers
             "initial_weights_sha256": self.initial_weights,
         }
         run_config = {**vars(args), **self.facts, **schedule._asdict()}
@@ -272,16 +274,17 @@ class TrainingRun:
             "fp16_range": self.activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
             **self.compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
         }
+        # AMP: the fp32 master weights, gathered under FSDP / ZeRO, under the plain model's names
+        state_dict = outputs.plain_state_dict(accelerator, model)
         with self.output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
-            self.plain_model.save_pretrained(  # AMP: the fp32 master weights, gathered under FSDP / ZeRO-3
+            self.plain_model.save_pretrained(
                 folder,
                 is_main_process=accelerator.is_main_process,
                 save_function=accelerator.save,
-                state_dict=outputs.plain_state_dict(
-                    accelerator, model
-                ),  # plain names, even after torch.compile
+                state_dict=state_dict,
             )
             if accelerator.is_main_process:
+                outputs.write_saved_dtype(folder, state_dict)  # config.json says fp32, as the weights are
                 tokenizer.save_pretrained(folder)
         self.record.write_results(summary)  # written last: its presence means the run finished
         records.write_final_figures(accelerator, summary, self.step)  # W&B run summary, TensorBoard

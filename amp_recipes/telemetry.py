@@ -233,7 +233,13 @@ class StepTelemetry:
         host sync per step), so a spoiled state is never saved; the run stops with what to try."""
         if self.fp16:
             return  # fp16 skips such steps; consecutive skips are guarded by too_many_skips()
-        if self.nonfinite_losses or self._nonfinite_batches.item():
+        unread = self._nonfinite_batches
+        if self.accelerator.num_processes > 1:
+            # Summed over the processes (every one calls this at the same steps), so that all of them
+            # stop together: one that stopped alone would leave the others waiting in their next
+            # collective until --ddp_timeout, and they would save the spoiled weights it saw first.
+            unread = self.accelerator.reduce(unread.clone(), reduction="sum")
+        if self.nonfinite_losses or unread.item():
             raise TrainingDiverged(
                 f"The loss became non-finite under {precision} between steps {self._checked_step} and "
                 f"{step}; the weights are spoiled, so nothing after step {self._checked_step} is saved. "

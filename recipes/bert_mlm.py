@@ -185,9 +185,10 @@ def main(argv=None):
         train_dataloader, eval_dataloader = load_data(args, tokenizer, accelerator)
 
         # --------------------------------------------------------------------- model
-        with errors.model_load_errors(args.model_name_or_path):
-            # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts per operation.
-            model = AutoModelForMaskedLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+        with precision.zero3_init(accelerator):  # AMP: ZeRO-3: 16-bit zero.Init only if the config asks
+            with errors.model_load_errors(args.model_name_or_path):
+                # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts per operation.
+                model = AutoModelForMaskedLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
         # AMP: fp32 weights (no .half()): autocast needs fp32 master weights.
         precision.check_model_dtype(model, in_effect["precision_in_effect"], accelerator.distributed_type)
         run.fingerprint(model)  # sha256 of the weights as loaded; the arms of a paired run start equal

@@ -268,7 +268,8 @@ def main(argv=None):
         task, train_dataloader, eval_dataloader, gold = load_data(args, tokenizer, accelerator)
 
         # --------------------------------------------------------------------- model
-        model = load_model(args, config)
+        with precision.zero3_init(accelerator):  # AMP: ZeRO-3: 16-bit zero.Init only if the config asks
+            model = load_model(args, config)
         # AMP: fp32 weights (no .half()): autocast needs fp32 master weights.
         precision.check_model_dtype(model, in_effect["precision_in_effect"], accelerator.distributed_type)
         run.fingerprint(model)  # sha256 of the weights as loaded; the arms of a paired run start equal

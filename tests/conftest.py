@@ -103,6 +103,26 @@ def accelerate_launch(*args):
     return [sys.executable, "-m", "accelerate.commands.launch", *args]
 
 
+def run_processes(tag: Path) -> dict[int, int]:
+    """{pid: rank} of the live processes (launchers included, rank -1) whose environment holds
+    AMP_SCALE_OUT_TEST=<tag>: how a test finds the ranks of a launch, and that none is left."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = dict(
+                item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item
+            )
+            if (entry / "stat").read_text().split(") ")[1].startswith("Z"):
+                continue  # a zombie: exited, waiting for its parent to read its status
+        except OSError:
+            continue
+        if environ.get(b"AMP_SCALE_OUT_TEST") == str(tag).encode():
+            found[int(entry.name)] = int(environ.get(b"RANK", b"-1"))
+    return found
+
+
 # CI's time is set by CPU, not by waiting: AMP_TEST_CPU_LOG=<file> appends each test's CPU seconds
 # (this process and every finished subprocess under it, set-up and teardown included), its wall
 # seconds and its id, tab-separated, to <file>: `sort -rn <file> | head` lists what to cut first.
@@ -245,6 +265,31 @@ def fp8_on_cpu(monkeypatch):
 def fp8_env() -> dict:
     """Environment of a subprocess that runs fp8 emulated on this CPU."""
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(FP8_EMULATION), os.environ.get("PYTHONPATH")]))}
+
+
+CPU_ENGINES = REPO / "tests" / "cpu_engines"  # on a subprocess's PYTHONPATH: FSDP / DeepSpeed on CPU
+
+
+def engine_launch(config: str, *args):
+    """`accelerate launch` with one of the repository's engine configs (fsdp.yaml,
+    deepspeed_zero2.yaml, ...) as it is, on this CPU: the configs' 8 GPUs become 2 processes of one
+    thread each. With engine_env(), that is all a CPU needs overridden."""
+    config_file = REPO / "accelerate_configs" / config
+    return accelerate_launch(
+        "--config_file", config_file, "--num_processes", 2, "--num_cpu_threads_per_process", 1, *args
+    )
+
+
+def engine_env(*seams) -> dict:
+    """Environment of an engine launch on this CPU: a gloo group (ACCELERATE_USE_CPU=1), DeepSpeed's
+    CPU accelerator (DS_ACCELERATOR=cpu), and tests/cpu_engines, which lifts accelerate's rule that
+    FSDP and DeepSpeed need GPU process groups, on the path before any other seam (FP8_EMULATION)."""
+    paths = [str(CPU_ENGINES), *map(str, seams), os.environ.get("PYTHONPATH")]
+    return {
+        "ACCELERATE_USE_CPU": "1",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join(filter(None, paths)),
+    }
 
 
 # ----------------------------------------------------------------------------- exact resume

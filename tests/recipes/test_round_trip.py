@@ -9,9 +9,21 @@ over gloo; and both. torch.compile uses dynamo's `eager` backend: accelerate's r
 its wrappers and the save path are the same as with inductor, whose C++ code generation would cost
 about 30 s a run on two cores.
 
+The engines users scale to run here on two CPU processes over gloo, through `accelerate launch`
+with the repository's own configs (accelerate_configs/fsdp.yaml, deepspeed_zero2.yaml,
+deepspeed_zero3.yaml): FSDP2 in fp32, bf16, fp8 and with --torch_compile, DeepSpeed ZeRO-2 and
+ZeRO-3. What a CPU cannot do is overridden, and only that (conftest.engine_launch, engine_env);
+accelerate's GPU-only gate is lifted by tests/cpu_engines (test_engines.py holds it to that gate).
+The engine rows of RESUMED also resume their mid-run checkpoint to the uninterrupted run's final
+weights, bit for bit. The masked LM does not run under FSDP2 (FSDP2_MLM_REFUSAL): its rows check the
+refusal. FSDP1 does not run on a CPU: torch's FullyShardedDataParallel refuses
+`sync_module_states=True` there (docs/scaling-out.md).
+
 Each defect this matrix was written against fails it: fp8 weights left out of the optimizer
-(frozen), `_orig_mod.` names in the saved model (from_pretrained starts from random weights), and a
-crash at start-up under DDP + torch.compile."""
+(frozen), `_orig_mod.` names in the saved model (from_pretrained starts from random weights), a
+crash at start-up under DDP + torch.compile, `optimizer.defaults` read from DeepSpeed's optimizer
+(which has none), 16-bit weights saved from ZeRO's module copies instead of the fp32 masters, and a
+DeepSpeed checkpoint (which holds a `latest` file of its own) taken for a checkpoints folder."""
 
 import json
 import math
@@ -21,10 +33,13 @@ import pytest
 import torch
 import transformers
 from conftest import (
+    FP8_EMULATION,
     REPO,
     TINY_BERT,
     Fp16OnCpu,
     accelerate_launch,
+    engine_env,
+    engine_launch,
     glue_flags,
     load_recipe,
     on_model_load,
@@ -59,20 +74,31 @@ RECIPES = {  # recipe -> (its Auto class, the flags of a tiny run)
     ),
     "bert_mlm": ("AutoModelForMaskedLM", ["--max_seq_length", 32]),  # + --train_file, the corpus fixture
 }
-MODES = {  # mode -> (recipe flags, launched as two DDP processes)
-    "fp32": ([], False),
-    "bf16": (["--mixed_precision", "bf16"], False),
-    "fp8": (["--mixed_precision", "fp8"], False),
-    "fp16": (["--mixed_precision", "fp16"], False),
-    "compile": (["--torch_compile", "--torch_compile_backend", "eager"], False),
-    "ddp": ([], True),
-    "ddp+compile": (["--torch_compile", "--torch_compile_backend", "eager"], True),
+COMPILE = ["--torch_compile", "--torch_compile_backend", "eager"]
+MODES = {  # mode -> (recipe flags, how it is launched: in this process, two DDP processes, or a config)
+    "fp32": ([], None),
+    "bf16": (["--mixed_precision", "bf16"], None),
+    "fp8": (["--mixed_precision", "fp8"], None),
+    "fp16": (["--mixed_precision", "fp16"], None),
+    "compile": (COMPILE, None),
+    "ddp": ([], "ddp"),
+    "ddp+compile": (COMPILE, "ddp"),
+    # The configs ask for fp16: each row names its precision (the recipe's flag wins over the config).
+    "fsdp2": (["--mixed_precision", "no"], "fsdp.yaml"),
+    "fsdp2+bf16": (["--mixed_precision", "bf16"], "fsdp.yaml"),
+    "fsdp2+fp8": (["--mixed_precision", "fp8"], "fsdp.yaml"),  # the product's config: fp8 all-gathers on
+    "fsdp2+compile": (["--mixed_precision", "no", *COMPILE], "fsdp.yaml"),
+    # DeepSpeed's CPU accelerator has no fp16 ("Type fp16 is not supported on your device"): bf16.
+    "zero2": (["--mixed_precision", "bf16"], "deepspeed_zero2.yaml"),
+    "zero3": (["--mixed_precision", "bf16"], "deepspeed_zero3.yaml"),
 }
+ENGINE_TYPE = {"fsdp.yaml": "FSDP", "deepspeed_zero2.yaml": "DEEPSPEED", "deepspeed_zero3.yaml": "DEEPSPEED"}
 TWO_PROCESSES = ["--multi_gpu", "--num_processes", 2, "--num_cpu_threads_per_process", 1]
 # Scores of the reloaded model against the run's own: bit for bit where both evaluations run the
 # same fp32 arithmetic on the same batches. Elsewhere the evaluation differs in ways that are not the
-# saved model's: the DDP run evaluated in two processes (other batches, so other padded lengths),
-# and bf16/fp16/fp8 round inside autocast, where a different batch layout changes the last bits.
+# saved model's: the multi-process runs evaluated in two processes (other batches, so other padded
+# lengths), FSDP2 casts the weights to bf16 where autocast casts per operation, and bf16/fp16/fp8
+# round inside autocast, where a different batch layout changes the last bits.
 EXACT = {"fp32", "compile", "bf16", "fp8", "fp16"}
 TOLERANCE = 1e-4
 
@@ -132,8 +158,36 @@ def scores(results: dict) -> dict:
     return {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, int | float)}
 
 
-# The two-process rows take ~35 s each: CI runs them in its `slow` lane (see .ci/run).
+def launch(name, mode, argv, tmp_path, expect_success=True):
+    """A two-process run of the recipe: plain DDP, or the engine of one of the repository's configs."""
+    how = MODES[mode][1]
+    if how == "ddp":
+        cmd, env = accelerate_launch(*TWO_PROCESSES, REPO / "recipes" / f"{name}.py", *argv), {}
+    else:  # the repository's config, on 2 CPU processes (conftest.engine_launch / engine_env)
+        cmd = engine_launch(how, REPO / "recipes" / f"{name}.py", *argv)
+        env = engine_env(*([FP8_EMULATION] if "fp8" in mode else []))
+    launched = run(cmd, tmp_path, **{"ACCELERATE_USE_CPU": "1", **env})
+    assert (launched.returncode == 0) is expect_success, launched.stderr[-3000:]
+    return launched
+
+
+# The two-process rows take 20-50 s each: CI runs them in its `slow` lane (see .ci/run).
 ROWS = [pytest.param(mode, marks=pytest.mark.slow) if MODES[mode][1] else mode for mode in MODES]
+# The engine rows resume their checkpoint for one recipe with a plain head (GLUE) and the one with
+# tied weights (MLM): NER and QA run the same loop, engine and checkpoint code as GLUE, with a
+# Linear head of another size, and each resume costs a launch (about 30 CPU-seconds) in CI's budget.
+RESUMED = {"bert_glue", "bert_mlm"}
+# A bf16 or fp8 engine row evaluated in arithmetic this process does not repeat (FSDP2 casts the
+# weights to bf16, DeepSpeed runs a bf16 copy of the module, where autocast casts per operation; a
+# tiny model's NER scores then move by a whole entity): its --eval_only runs through the same
+# launch, and must give the run's scores exactly. The fp32 engine rows evaluate here (TOLERANCE).
+ENGINE_EVAL = {"fsdp2+bf16", "fsdp2+fp8", "zero2", "zero3"}
+# accelerate's FSDP2 wrapping (1.15, 1.16) puts BERT's masked-LM decoder in a unit of its own and
+# the prediction head that owns the decoder's tied bias in another: the tie breaks, the decoder's
+# copy of the bias is not the optimizer's, and the recipe refuses before training.
+FSDP2_MLM_REFUSAL = (
+    "1 trainable parameters are not in the optimizer after prepare() (e.g. cls.predictions.decoder.bias"
+)
 
 
 @pytest.mark.parametrize("mode", ROWS)
@@ -143,24 +197,31 @@ def test_trains_saves_reloads_and_scores_the_same(
 ):
     output_dir = tmp_path / "run"
     argv = flags_of(name, mode, output_dir, corpus)
-    two_processes = MODES[mode][1]
-    if two_processes:
-        launched = run(
-            accelerate_launch(*TWO_PROCESSES, REPO / "recipes" / f"{name}.py", *argv),
-            tmp_path,
-            ACCELERATE_USE_CPU="1",
-        )
-        assert launched.returncode == 0, launched.stderr[-3000:]
+    how = MODES[mode][1]
+    engine = how not in (None, "ddp")
+    if engine:
+        argv += ["--checkpointing_steps", 2]  # the checkpoint the resumed run starts from
+    if name == "bert_mlm" and how == "fsdp.yaml":
+        refused = launch(name, mode, argv, tmp_path, expect_success=False)
+        assert f"error: {FSDP2_MLM_REFUSAL}" in refused.stderr
+        assert not (output_dir / "checkpoints").exists()  # refused before the first step
+        return
+    if how:
+        launch(name, mode, argv, tmp_path)
         initial, fingerprint = fp32_start(name, corpus, tmp_path_factory, monkeypatch, request)
     else:
         initial = {}
         in_process(name, mode, argv, monkeypatch, request, initial)
     results = json.loads((output_dir / "eval_results.json").read_text())
-    if two_processes:
-        assert (results["num_processes"], results["distributed_type"]) == (2, "MULTI_CPU")
+    if how:
+        distributed_type = ENGINE_TYPE[how] if engine else "MULTI_CPU"
+        assert (results["num_processes"], results["distributed_type"]) == (2, distributed_type)
         assert results["initial_weights_sha256"] == fingerprint  # it started where `initial` says
-    if mode == "fp8":
+        assert results["optimizer"] == "fused AdamW"
+    if "fp8" in mode:
         assert results["precision_in_effect"] == "fp8" and results["fp8_linear_layers"] > 0
+    if "bf16" in mode or how in ("deepspeed_zero2.yaml", "deepspeed_zero3.yaml"):
+        assert results["precision_in_effect"] == "bf16"
     if mode.endswith("compile"):
         assert results["compiled_graphs"] > 0
 
@@ -172,28 +233,42 @@ def test_trains_saves_reloads_and_scores_the_same(
     state = reloaded.state_dict()
     assert set(saved) <= set(state) and set(state) - set(saved) <= tied_keys(reloaded)
     assert all(torch.equal(state[key], tensor) for key, tensor in saved.items())
-    assert all(tensor.dtype == torch.float32 for tensor in saved.values())  # fp32 master weights
+    # fp32 master weights, under every engine (ZeRO's module copies are 16-bit), and config.json says so.
+    assert all(tensor.dtype == torch.float32 for tensor in saved.values())
+    assert json.loads((output_dir / "config.json").read_text())["dtype"] == "float32"
 
     # Every trainable weight moved (the tied decoder weight is the word embeddings, saved once).
     assert set(saved) <= set(initial)
     frozen = [key for key, tensor in saved.items() if torch.equal(tensor, initial[key])]
     assert not frozen, f"{len(frozen)} of {len(saved)} weights never changed, e.g. {frozen[:3]}"
 
+    # The mid-run checkpoint, resumed by the same launch, reaches the same final weights, bit for bit.
+    if engine and name in RESUMED:
+        resumed_dir = tmp_path / "resumed"
+        checkpoint = output_dir / "checkpoints" / "checkpoint-2"
+        resumed_argv = flags_of(name, mode, resumed_dir, corpus) + ["--resume_from_checkpoint", checkpoint]
+        launched = launch(name, mode, resumed_argv, tmp_path)
+        assert "checkpoint-2 at step 2" in launched.stderr
+        again = load_file(str(resumed_dir / "model.safetensors"))
+        assert again.keys() == saved.keys()
+        assert all(torch.equal(again[key], saved[key]) for key in saved)
+
     # A fresh --eval_only of the saved folder gives the run's scores.
-    eval_mode = "fp32" if two_processes else mode
+    expected = scores(results)
+    eval_flags = ["--model_name_or_path", output_dir, "--eval_only"]
+    if mode in ENGINE_EVAL:  # the same engine and precision, two processes: the same arithmetic
+        launch(name, mode, [*flags_of(name, mode, tmp_path / "eval", corpus), *eval_flags], tmp_path)
+        again = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+        assert expected and scores(again) == expected
+        return
+    eval_mode = "fp32" if how else mode
     again = in_process(
         name,
         eval_mode,
-        [
-            *flags_of(name, eval_mode, tmp_path / "eval", corpus),
-            "--model_name_or_path",
-            output_dir,
-            "--eval_only",
-        ],
+        [*flags_of(name, eval_mode, tmp_path / "eval", corpus), *eval_flags],
         monkeypatch,
         request,
     )
-    expected = scores(results)
     assert expected and scores(again).keys() == expected.keys()
     if mode in EXACT:
         assert scores(again) == expected

@@ -18,7 +18,7 @@ from pathlib import Path
 import accelerate
 import pytest
 import torch
-from conftest import RECIPES, REPO, accelerate_launch, free_port, glue_flags, offline_env
+from conftest import RECIPES, REPO, accelerate_launch, free_port, glue_flags, offline_env, run_processes
 from packaging.version import Version
 from safetensors.torch import load_file
 
@@ -55,25 +55,6 @@ def two_processes(port):
         "--main_process_port",
         port,
     ]
-
-
-def run_processes(tag: Path) -> dict[int, int]:
-    """{pid: rank} of the live processes (launchers included, rank -1) tagged with `tag`."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = dict(
-                item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item
-            )
-            if (entry / "stat").read_text().split(") ")[1].startswith("Z"):
-                continue  # a zombie: exited, waiting for its parent to read its status
-        except OSError:
-            continue
-        if environ.get(b"AMP_SCALE_OUT_TEST") == str(tag).encode():
-            found[int(entry.name)] = int(environ.get(b"RANK", b"-1"))
-    return found
 
 
 def start(cmd, tmp_path, **env):

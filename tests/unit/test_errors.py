@@ -70,3 +70,24 @@ def test_a_child_dies_with_its_parent_even_by_sigkill(tmp_path):
         text=True,
     )
     assert orphan.returncode == 1 and "lived" not in orphan.stdout
+
+
+def test_a_head_of_another_size_under_zero3_init_names_the_config_setting(monkeypatch):
+    """Under ZeRO-3's zero.Init transformers loads into partitioned weights and ignores
+    --ignore_mismatched_sizes (transformers 5.24 raises its size-mismatch error all the same): the
+    sentence must not tell the user to pass the flag they passed."""
+    import transformers.integrations
+
+    from amp_recipes.errors import model_load_errors
+
+    mismatch = RuntimeError(
+        "Error(s) in loading state_dict for BertForTokenClassification: size mismatch for classifier.weight "
+        "... You may consider adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if appropriate."
+    )
+    for zero3, expected in [(False, "pass --ignore_mismatched_sizes"), (True, "set zero3_init_flag: false")]:
+        monkeypatch.setattr(
+            transformers.integrations, "is_deepspeed_zero3_enabled", lambda zero3=zero3: zero3
+        )
+        with pytest.raises(InputError, match=expected) as raised, model_load_errors("bert-base-uncased", 9):
+            raise mismatch
+        assert "9 output(s)" in str(raised.value)

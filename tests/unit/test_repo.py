@@ -298,13 +298,17 @@ def test_engine_configs_carry_the_precision_settings_the_readme_promises():
     assert configs["single_gpu"].mixed_precision == configs["multi_gpu"].mixed_precision == "fp16"
     fsdp = configs["fsdp"]
     assert fsdp.distributed_type == "FSDP" and fsdp.mixed_precision == "fp16"
-    assert fsdp.fsdp_config["fsdp_sharding_strategy"] == "FULL_SHARD"
+    # FSDP2, parameters resharded after each forward (FSDP1's FULL_SHARD).
+    assert fsdp.fsdp_config["fsdp_version"] == 2 and fsdp.fsdp_config["fsdp_reshard_after_forward"] is True
     for stage in (2, 3):
         deepspeed = configs[f"deepspeed_zero{stage}"]
         assert deepspeed.distributed_type == "DEEPSPEED" and deepspeed.mixed_precision == "fp16"
         assert deepspeed.deepspeed_config["zero_stage"] == stage
         assert deepspeed.deepspeed_config["gradient_clipping"] == 1.0  # DeepSpeed clips, not the recipe
-    assert configs["deepspeed_zero3"].deepspeed_config["zero3_save_16bit_model"] is True
+    # The model loads whole in fp32 (precision.zero3_init honours the flag); the recipes gather the
+    # fp32 masters for the final save, so DeepSpeed's 16-bit gather is off.
+    assert configs["deepspeed_zero3"].deepspeed_config["zero3_init_flag"] is False
+    assert configs["deepspeed_zero3"].deepspeed_config["zero3_save_16bit_model"] is False
     node = configs["multi_node"]
     assert (node.num_machines, node.num_processes, node.rdzv_backend) == (2, 16, "static")
     page = (REPO / "docs" / "scaling-out.md").read_text()

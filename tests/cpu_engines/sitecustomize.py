@@ -1,0 +1,56 @@
+"""Test-only: accelerate's FSDP and DeepSpeed on a CPU process group (gloo)."""
+
+import os
+
+
+def lift_gpu_gates(setattr=setattr):
+    import inspect
+
+    from accelerate import state
+    from accelerate.utils import DistributedType, parse_flag_from_env
+
+    original = state.AcceleratorState.__init__
+    signature = inspect.signature(original)
+
+    def init(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        partial = state.PartialState._shared_state
+        if not partial:  # what the original does first, so that the gate below sees the process group
+            cpu = bound.arguments.get("cpu", False) or parse_flag_from_env("ACCELERATE_USE_CPU")
+            state.PartialState(cpu, **bound.arguments.get("kwargs", {}))
+        cpu_group = partial.get("distributed_type") == DistributedType.MULTI_CPU
+        fsdp = parse_flag_from_env("ACCELERATE_USE_FSDP")
+        deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+        use_cpu = os.environ.pop("ACCELERATE_USE_CPU", None) if cpu_group and deepspeed else None
+        if cpu_group and fsdp:
+            partial["distributed_type"] = DistributedType.MULTI_GPU
+        try:
+            original(self, *args, **({**kwargs, "cpu": False} if cpu_group and deepspeed else kwargs))
+        finally:
+            if use_cpu is not None:
+                os.environ["ACCELERATE_USE_CPU"] = use_cpu
+            if cpu_group and partial.get("distributed_type") == DistributedType.MULTI_GPU:
+                partial["distributed_type"] = DistributedType.MULTI_CPU
+
+    setattr(state.AcceleratorState, "__init__", init)
+
+
+def run_the_next_sitecustomize() -> None:
+    """Python imports only the first sitecustomize on its path: a later one (the fp8 emulation's,
+    for an FSDP2 + fp8 run) runs from here."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    for folder in sys.path:
+        candidate = Path(folder or ".").resolve() / "sitecustomize.py"
+        if candidate.parent != here and candidate.is_file():
+            spec = importlib.util.spec_from_file_location("sitecustomize", candidate)
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return
+
+
+if __name__ == "sitecustomize":
+    lift_gpu_gates()
+    run_the_next_sitecustomize()
