@@ -123,9 +123,7 @@ class TrainingRun:
             "distributed_type": accelerator.distributed_type.value,
             "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
             "attn_implementation": config._attn_implementation,  # SDPA: fused
-            "optimizer": optim.describe_optimizer(
-                optimizer
-            ),  # the torch optimizer inside the engine's wrappers
+            "optimizer": optim.describe_optimizer(optimizer),  # read inside DeepSpeed's wrappers too
             "initial_weights_sha256": self.initial_weights,
         }
         run_config = {**vars(args), **self.facts, **schedule._asdict()}
