@@ -229,15 +229,17 @@ def plain_state_dict(accelerator, model) -> dict:
     compiles in place; FSDP1 compiles a copy, whose `_orig_mod.` is dropped); under DeepSpeed the
     fp32 master weights (`deepspeed_fp32_state_dict`)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return deepspeed_fp32_state_dict(model)
+        return deepspeed_fp32_state_dict(model, keep=accelerator.is_main_process)
     if accelerator.distributed_type == DistributedType.FSDP:
         state_dict = accelerator.get_state_dict(model)  # gathered from every process
         return {name.replace("_orig_mod.", ""): tensor for name, tensor in state_dict.items()}
     return accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
 
 
-def deepspeed_fp32_state_dict(engine) -> dict:
-    """The fp32 master weights of a DeepSpeed engine's model, whole, on the CPU.
+def deepspeed_fp32_state_dict(engine, keep: bool = True) -> dict:
+    """The fp32 master weights of a DeepSpeed engine's model, whole, on the CPU; an empty dict
+    where `keep` is false (the processes that do not write the model take part in the gathering
+    without holding a copy).
 
     Under ZeRO with bf16/fp16 the module's own weights are 16-bit copies and the fp32 masters live
     in the optimizer, partitioned across processes; accelerate's get_state_dict returns the 16-bit
@@ -254,7 +256,11 @@ def deepspeed_fp32_state_dict(engine) -> dict:
         if master is None:
             with deepspeed.zero.GatheredParameters([parameter]):
                 master = parameter.detach().clone()
-        state_dict[name.replace("_orig_mod.", "")] = master.float().cpu()
+        if keep:
+            state_dict[name.replace("_orig_mod.", "")] = master.float().cpu()
+        del master
+    if not keep:
+        return state_dict
     skipped = set()
     for prefix, submodule in module.named_modules():
         skipped |= {f"{prefix}.{name}".lstrip(".") for name in submodule._non_persistent_buffers_set}

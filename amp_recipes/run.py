@@ -279,7 +279,7 @@ class TrainingRun:
                 folder,
                 is_main_process=accelerator.is_main_process,
                 save_function=accelerator.save,
-                state_dict=state_dict,
+                state_dict=dict(state_dict),  # a copy: save_pretrained empties the dict it is given
             )
             if accelerator.is_main_process:
                 outputs.write_saved_dtype(folder, state_dict)  # config.json says fp32, as the weights are

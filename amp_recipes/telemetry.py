@@ -231,8 +231,10 @@ class StepTelemetry:
         """Under bf16/fp32 a non-finite loss is not skipped: the update has already spoiled the
         weights. Checked at logging steps and before every save (not every step: that would be a
         host sync per step), so a spoiled state is never saved; the run stops with what to try."""
-        if self.fp16:
-            return  # fp16 skips such steps; consecutive skips are guarded by too_many_skips()
+        if self.fp16 or precision == "fp16":
+            # fp16 skips such steps (torch's GradScaler, or DeepSpeed's own loss scaler, which the
+            # telemetry does not see); consecutive GradScaler skips are guarded by too_many_skips().
+            return
         unread = self._nonfinite_batches
         if self.accelerator.num_processes > 1:
             # Summed over the processes (every one calls this at the same steps), so that all of them

@@ -1,4 +1,14 @@
-"""Test-only: accelerate's FSDP and DeepSpeed on a CPU process group (gloo)."""
+"""Test-only: accelerate's FSDP2 and DeepSpeed on a CPU process group (gloo). Python runs this file
+at start-up in every process whose PYTHONPATH holds this folder (conftest.engine_env).
+
+accelerate turns FSDP on only over a GPU or other accelerator process group (AcceleratorState's
+`elif self.distributed_type in [MULTI_GPU, MULTI_NPU, ...]`: MULTI_CPU is not listed), and
+DeepSpeed only when not asked for the CPU (`elif ACCELERATE_USE_DEEPSPEED ... and not cpu`). The
+engines themselves run on CPU processes: torch's fully_shard over gloo, DeepSpeed's CPU accelerator
+(DS_ACCELERATOR=cpu). Around the one call of AcceleratorState.__init__ this seam makes those two
+conditions pass, and changes nothing else: the process group, the device, the backend and every
+other setting are accelerate's own (tests/recipes/test_engines.py compares accelerate's whole state
+with and without it)."""
 
 import os
 
@@ -24,8 +34,10 @@ def lift_gpu_gates(setattr=setattr):
         use_cpu = os.environ.pop("ACCELERATE_USE_CPU", None) if cpu_group and deepspeed else None
         if cpu_group and fsdp:
             partial["distributed_type"] = DistributedType.MULTI_GPU
+        if cpu_group and deepspeed:
+            bound.arguments["cpu"] = False
         try:
-            original(self, *args, **({**kwargs, "cpu": False} if cpu_group and deepspeed else kwargs))
+            original(*bound.args, **bound.kwargs)
         finally:
             if use_cpu is not None:
                 os.environ["ACCELERATE_USE_CPU"] = use_cpu

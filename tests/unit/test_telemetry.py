@@ -217,3 +217,22 @@ def test_several_processes_agree_on_a_stop_every_interval_steps_only():
         assert stops == [False] * (interval - 1) + [True]
     finally:
         handler.restore()
+
+
+def test_a_nonfinite_loss_stops_bf16_and_fp32_but_is_left_to_the_loss_scaler_under_fp16():
+    """Without a torch GradScaler (fp32, bf16, and DeepSpeed's fp16, whose own loss scaler skips the
+    step), the check before a save stops a run whose loss went non-finite, except under fp16."""
+    from accelerate import Accelerator
+
+    from amp_recipes.errors import TrainingDiverged
+
+    accelerator = Accelerator(cpu=True)
+    try:
+        telemetry = StepTelemetry(accelerator, torch.nn.Linear(2, 2), max_consecutive_skipped=3)
+        telemetry.observe(torch.tensor(float("nan")))
+        telemetry.check_finite(1, "fp16")  # DeepSpeed fp16: its scaler's to handle
+        for precision in ("bf16", "fp32"):
+            with pytest.raises(TrainingDiverged, match=f"non-finite under {precision} between steps 0 and 1"):
+                telemetry.check_finite(1, precision)
+    finally:
+        reset_accelerate()
