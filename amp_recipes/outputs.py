@@ -258,7 +258,6 @@ def deepspeed_fp32_state_dict(engine, keep: bool = True) -> dict:
                 master = parameter.detach().clone()
         if keep:
             state_dict[name.replace("_orig_mod.", "")] = master.float().cpu()
-        del master
     if not keep:
         return state_dict
     skipped = set()
@@ -279,8 +278,8 @@ def write_saved_dtype(folder: Path, state_dict: dict) -> None:
         for tensor in state_dict.values()
         if tensor.is_floating_point()
     }
-    if len(dtypes) == 1:
-        config = json.loads(path.read_text())
+    config = json.loads(path.read_text())
+    if len(dtypes) == 1 and config.get("dtype") not in dtypes:  # else transformers' file stays as written
         config["dtype"] = dtypes.pop()
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
