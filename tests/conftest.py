@@ -138,11 +138,25 @@ def pytest_runtest_protocol(item, nextitem):
             handle.write(f"{cpu:.1f}\t{after.elapsed - before.elapsed:.1f}\t{item.nodeid}\n")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full-matrix",
+        action="store_true",
+        help="also run the round-trip rows marked full_matrix (about 20 CPU-minutes more; CI leaves them out)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests need CUDA: skip them cleanly elsewhere."""
+    """`gpu`-marked tests need CUDA: skip them cleanly elsewhere. `full_matrix` rows run only with
+    --full-matrix: they are skipped, with that reason, everywhere else (CI included)."""
     import pytest
     import torch
 
+    if not config.getoption("--full-matrix"):
+        rest = pytest.mark.skip(reason="a full_matrix row: run with --full-matrix (docs/scaling-out.md)")
+        for item in items:
+            if "full_matrix" in item.keywords:
+                item.add_marker(rest)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)")
@@ -290,6 +304,27 @@ def engine_env(*seams) -> dict:
         "DS_ACCELERATOR": "cpu",
         "PYTHONPATH": os.pathsep.join(filter(None, paths)),
     }
+
+
+@pytest.fixture(scope="session")
+def deepspeed_built():
+    """DeepSpeed compiles its CPU shared-memory collective (csrc/cpu/comm) the first time a process
+    group starts on its CPU accelerator: about a minute of both cores, once per machine and Python
+    environment (then cached under ~/.cache/torch_extensions). Built here, once, so that no test
+    that times a DeepSpeed run counts the compiler's minute as the run's."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        missing_tool("DeepSpeed (pip install -e '.[deepspeed]')")
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- exact resume

@@ -171,8 +171,32 @@ def launch(name, mode, argv, tmp_path, expect_success=True):
     return launched
 
 
-# The two-process rows take 20-50 s each: CI runs them in its `slow` lane (see .ci/run).
-ROWS = [pytest.param(mode, marks=pytest.mark.slow) if MODES[mode][1] else mode for mode in MODES]
+# Every two-process launch costs about 25 CPU-seconds before its first step (three Python
+# processes importing torch, transformers and evaluate), and an engine row makes two or three of
+# them: the rows CI leaves out took 26 CPU-minutes (docs/scaling-out.md), most of CI's 30-minute
+# budget on two cores. CI runs every in-process row, every plain DDP row, and of the rest one row
+# per engine (with its resume and its engine --eval_only) and the masked LM's FSDP2 refusal; the
+# others are `full_matrix` rows, run with --full-matrix (docs/scaling-out.md says when). In CI:
+IN_CI = {
+    ("bert_glue", "ddp+compile"),  # the DDP + torch.compile start-up is the recipes' shared code
+    ("bert_glue", "fsdp2+fp8"),  # FSDP2, its mixed precision and torchao's fp8 all-gathers at once
+    ("bert_glue", "zero3"),  # ZeRO-3: partitioned parameters, the gathered fp32 save, DeepSpeed's resume
+    ("bert_mlm", "fsdp2"),  # the refusal
+}  # ZeRO-2 trains in CI in test_engines.py's NaN test; FSDP2 in fp32 there too
+
+
+def row(name: str, mode: str):
+    """One (recipe, mode) row: two-process rows in CI's `slow` lane (see .ci/run), and those CI
+    leaves out also `full_matrix`."""
+    marks = []
+    if MODES[mode][1]:
+        marks.append(pytest.mark.slow)
+        if mode != "ddp" and (name, mode) not in IN_CI:
+            marks.append(pytest.mark.full_matrix)
+    return pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
+
+
+ROWS = [row(name, mode) for name in RECIPES for mode in MODES]
 # The engine rows resume their checkpoint for one recipe with a plain head (GLUE) and the one with
 # tied weights (MLM): NER and QA run the same loop, engine and checkpoint code as GLUE, with a
 # Linear head of another size, and each resume costs a launch (about 30 CPU-seconds) in CI's budget.
@@ -190,8 +214,7 @@ FSDP2_MLM_REFUSAL = (
 )
 
 
-@pytest.mark.parametrize("mode", ROWS)
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name, mode", ROWS)
 def test_trains_saves_reloads_and_scores_the_same(
     name, mode, corpus, tmp_path, tmp_path_factory, monkeypatch, request
 ):
@@ -201,6 +224,8 @@ def test_trains_saves_reloads_and_scores_the_same(
     engine = how not in (None, "ddp")
     if engine:
         argv += ["--checkpointing_steps", 2]  # the checkpoint the resumed run starts from
+    if ENGINE_TYPE.get(how) == "DEEPSPEED":
+        request.getfixturevalue("deepspeed_built")
     if name == "bert_mlm" and how == "fsdp.yaml":
         refused = launch(name, mode, argv, tmp_path, expect_success=False)
         assert f"error: {FSDP2_MLM_REFUSAL}" in refused.stderr
