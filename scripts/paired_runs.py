@@ -16,7 +16,10 @@ eval_results.json exists), resumes those with checkpoints, and reruns the rest.
 The comparison goes to <output_dir>/comparison.md, .json and .png and is printed: per arm mean
 and sd over seeds of every dev metric, training time, samples/s and peak memory; per reduced
 precision arm its speedup and memory drop against fp32 (paired by seed) and the dev-metric
-difference with a 95% paired t confidence interval over seeds, and a verdict.
+difference with a 95% paired t confidence interval over seeds, and a verdict. With the recipe's
+`--report_to wandb` the comparison is also a W&B run of job type `comparison` in the pair's group
+(its summary, a table of every arm x seed, the plot), and with `--report_to tensorboard` scalars
+and a text in <output_dir>/logs/comparison.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ import argparse
 import importlib.util
 import json
 import math
+import netrc
 import os
+import secrets
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 REPO_SCRIPTS = Path(__file__).resolve().parent
 ARM_PRECISION = {
@@ -81,7 +88,11 @@ def parse_args(argv=None):
         "--seeds", default="3", help="A count (3: seeds 1, 2, 3) or a comma-separated list (42,43)."
     )
     parser.add_argument("--output_dir", help="Default: pairs/<recipe>. Holds runs/, logs/, comparison.*")
-    parser.add_argument("--group", help="W&B group of the pair (default: the output folder's name).")
+    parser.add_argument(
+        "--group",
+        help="W&B group of the pair (default: the output folder's name and the time the pair started, "
+        "e.g. mrpc-20261203-1807; a resumed pair keeps its group).",
+    )
     parser.add_argument(
         "--accelerate_config", help="`accelerate launch --config_file` for every run (default: accelerate's)."
     )
@@ -102,7 +113,11 @@ def parse_args(argv=None):
         action="store_true",
         help="Build a W&B Report of the pair (needs `pip install wandb-workspaces`); saved when online.",
     )
-    parser.add_argument("--wandb_entity", help="W&B entity of the report (default: yours).")
+    parser.add_argument(
+        "--wandb_entity",
+        help="W&B entity (user or team) of every run of the pair, the comparison run and the report "
+        "(default: WANDB_ENTITY, else your default entity).",
+    )
     parser.add_argument("--compare_only", action="store_true", help="Run nothing; compare what finished.")
     args, recipe_args = parser.parse_known_args(argv)
     if recipe_args[:1] == ["--"]:
@@ -113,11 +128,70 @@ def parse_args(argv=None):
     args.seeds = parse_seeds(parser, args.seeds)
     args.arms = parse_arms(parser, args.arms)
     args.output_dir = Path(args.output_dir or Path("pairs") / args.recipe_name)
-    args.group = args.group or args.output_dir.resolve().name
     if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
         parser.error(f"--memory_budget_gb must be positive, not {args.memory_budget_gb}.")
     args.recipe_defaults = check_recipe_args(parser, args)
+    args.trackers = trackers(args.recipe_defaults["report_to"])
+    check_before_runs(parser, args)
     return args
+
+
+def trackers(report_to: str) -> list[str]:
+    """The trackers the recipe's --report_to turns on: `all` is accelerate's, every one installed."""
+    if report_to != "all":
+        return [] if report_to == "none" else [report_to]
+    return [name for name in ("wandb", "tensorboard") if importlib.util.find_spec(name) is not None]
+
+
+def wandb_mode() -> str:
+    """online, offline or disabled: what WANDB_MODE tells every W&B run of the pair."""
+    mode = os.environ.get("WANDB_MODE", "online").lower()
+    return "offline" if mode == "dryrun" else mode
+
+
+def wandb_logged_in() -> bool:
+    """What `wandb login` leaves: an API key in WANDB_API_KEY (or an identity token file), or the
+    W&B host's entry in ~/.netrc (or $NETRC). Read here, without a network call."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def check_before_runs(parser, args) -> None:
+    """What would otherwise fail after hours of fine-tunes fails now, before the first run."""
+    if args.wandb_report and "wandb" not in args.trackers:
+        parser.error("--wandb_report needs the runs in W&B: pass --report_to wandb (or all) for the recipe.")
+    if args.wandb_report and importlib.util.find_spec("wandb_workspaces") is None:
+        parser.error(
+            "--wandb_report needs the wandb-workspaces package: pip install wandb-workspaces "
+            "(or pip install -e .[report])."
+        )
+    if args.headroom and not args.memory_budget_gb:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(
+                "--headroom on a CPU needs --memory_budget_gb: there the batch search stops at that "
+                "cap, and the benchmark does not search without one."
+            )
+    if "wandb" in args.trackers:
+        mode = wandb_mode()
+        if mode == "online" and not wandb_logged_in():
+            parser.error(
+                f"--report_to wandb: W&B is online (WANDB_MODE is {os.environ.get('WANDB_MODE') or 'unset'}) "
+                "and this machine is not logged in: run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to keep the "
+                "runs on this disk and upload them later with `wandb sync --sync-all`."
+            )
+        print(
+            f"W&B: {mode}; project {args.recipe_defaults['project_name']}, entity "
+            f"{args.wandb_entity or os.environ.get('WANDB_ENTITY') or 'your default'}.",
+            flush=True,
+        )
 
 
 def find_recipe(parser, recipe: str) -> Path:
@@ -241,7 +315,8 @@ def run_one(args, arm: str, seed: int) -> dict:
     started = time.monotonic()
     with open(log, "wb") as handle:
         handle.write(f"$ {shlex.join(command)}\n".encode())
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        env = {**os.environ, **({"WANDB_ENTITY": args.wandb_entity} if args.wandb_entity else {})}
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         try:
             while chunk := os.read(process.stdout.fileno(), 65536):  # progress bars too, as they come
                 handle.write(chunk)
@@ -270,26 +345,36 @@ def run_one(args, arm: str, seed: int) -> dict:
 
 
 def check_pair_config(args) -> None:
-    """<output_dir>/pair.json: the recipe and its flags. Another command in the same folder would
-    mix runs that are not pairs of each other; arms and seeds may be added."""
+    """<output_dir>/pair.json: the recipe, its flags and the W&B group. Another command in the same
+    folder would mix runs that are not pairs of each other; arms and seeds may be added.
+
+    The group is --group, else the one this folder's pair already has (a resumed pair keeps it),
+    else the folder's name and the time now, so two pairs written to folders of one name never share
+    a group. pair.json also keeps the id of the pair's W&B comparison run, which every later
+    comparison of this pair updates."""
     path = args.output_dir / "pair.json"
+    before = json.loads(path.read_text()) if path.is_file() else {}
+    if args.group is None:
+        args.group = (
+            before.get("group") or f"{args.output_dir.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
     config = {
         "recipe": args.recipe_name,
         "recipe_args": args.recipe_args,
         "accelerate_config": args.accelerate_config,
         "group": args.group,
     }
-    if path.is_file():
-        before = json.loads(path.read_text())
+    if before:
         changed = [key for key in config if before.get(key) != config[key]]
         if changed:
             raise SystemExit(
                 f"error: {args.output_dir} holds a pair run with other settings ({', '.join(changed)}: "
                 f"{', '.join(repr(before.get(k)) for k in changed)}); give another --output_dir."
             )
+    args.comparison_run_id = before.get("comparison_run_id") or secrets.token_hex(4)
     from amp_recipes.records import write_json_atomic
 
-    write_json_atomic(path, config)
+    write_json_atomic(path, {**config, "comparison_run_id": args.comparison_run_id})
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -419,6 +504,13 @@ def compare(args, runs: list[dict]) -> dict:
             versus[arm]["metrics"][name] = {**interval, "verdict": verdict(arm, interval)}
     hardware_keys = ("device_name", "device_type", "num_processes", "distributed_type", "torch_threads")
     first = next(iter(results.values()), {})
+    rows = []  # every arm x seed, as its eval_results.json has it (a run that did not finish: status only)
+    for entry in runs:
+        result = results.get((entry["arm"], entry["seed"]), {})
+        row = {key: entry[key] for key in ("arm", "seed", "status")}
+        row["precision_in_effect"] = result.get("precision_in_effect")
+        row["fp8_emulated"] = bool(result.get("fp8_emulated"))
+        rows.append({**row, **{key: result.get(key) for key in [*names, *FIGURES, "initial_weights_sha256"]}})
     return {
         "group": args.group,
         "recipe": args.recipe_name,
@@ -428,6 +520,7 @@ def compare(args, runs: list[dict]) -> dict:
         "metrics": names,
         "hardware": {k: first.get(k) for k in hardware_keys},
         "runs": runs,
+        "rows": rows,
         "initial_weights_sha256": {str(seed): shas for seed, shas in sorted(initial.items())},
         "unpaired_seeds": unpaired,
         "per_arm": arms,
@@ -581,16 +674,114 @@ def measure_headroom(args) -> dict:
         "max_batch_size": {arm: r.get("max_batch_size") for arm, r in arms.items()},
         "capped_at_search_max": {arm: bool(r.get("capped_at_search_max")) for arm, r in arms.items()},
         "headroom": {arm: (arms[arm].get("ratios_vs_fp32") or {}).get("headroom") for arm in args.arms[1:]},
+        "memory_budget_gb": args.memory_budget_gb,
         "note": bench.get("search_note")
         or f"largest batch at {bench['config']['seq_len']} tokens, {head} head, from {results_file}",
         "results": str(results_file),
     }
 
 
+# ----------------------------------------------------------------------------- W&B and TensorBoard
+# accelerate's trackers belong to an Accelerator, which this process (it trains nothing, holds no
+# device) has no use for: the comparison goes through the W&B and TensorBoard clients themselves.
+def comparison_summary(comparison: dict) -> dict:
+    """The verdict as flat figures (comparison.json's, NaN as None), per reduced arm: speedup,
+    peak-memory drop, batch headroom, and each dev metric's mean difference, 95% interval and verdict."""
+    summary = {}
+    headroom = comparison.get("headroom") or {}
+    if headroom:
+        summary["headroom/memory_budget_gb"] = headroom.get("memory_budget_gb")
+        summary["fp32/headroom_batch"] = (headroom.get("max_batch_size") or {}).get("fp32")
+    for arm, versus in comparison["vs_fp32"].items():
+        if "no_ratio_reason" in versus:
+            summary[f"{arm}/no_ratio_reason"] = versus["no_ratio_reason"]
+            continue
+        summary[f"{arm}/seeds"] = len(versus["seeds"])
+        for figure in ("speedup", "memory_drop_percent"):
+            summary[f"{arm}/{figure}"] = versus[figure]["mean"]
+            summary[f"{arm}/{figure}_sd"] = versus[figure]["sd"]
+        if versus.get("speed_note"):
+            summary[f"{arm}/speed_note"] = versus["speed_note"]
+        if headroom:
+            summary[f"{arm}/headroom_batch"] = (headroom.get("max_batch_size") or {}).get(arm)
+            summary[f"{arm}/headroom_ratio"] = (headroom.get("headroom") or {}).get(arm)
+        for name, metric in versus["metrics"].items():
+            summary[f"{arm}/{name}/difference"] = metric["mean"]
+            summary[f"{arm}/{name}/ci_low"], summary[f"{arm}/{name}/ci_high"] = metric["ci"]
+            summary[f"{arm}/{name}/verdict"] = metric["verdict"]
+    return summary
+
+
+def library_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("amp-recipes", "torch", "transformers", "accelerate", "datasets", "evaluate", "wandb"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return {"python": sys.version.split()[0], **found}
+
+
+def log_to_wandb(args, comparison: dict, png: Path) -> str:
+    """The pair's comparison as a W&B run of job type `comparison` in the pair's group: the summary
+    (comparison_summary), a table of every arm x seed (comparison.json's rows), comparison.png,
+    and the pair's config. Its id is in pair.json: a resumed pair updates the same run."""
+    import wandb
+
+    columns = list(comparison["rows"][0]) if comparison["rows"] else ["arm", "seed", "status"]
+    table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in comparison["rows"]])
+    config = {
+        "recipe": comparison["recipe"],
+        "recipe_args": shlex.join(comparison["recipe_args"]),
+        "arms": comparison["arms"],
+        "seeds": comparison["seeds"],
+        "hardware": comparison["hardware"],
+        "versions": library_versions(),
+    }
+    run = wandb.init(
+        project=args.recipe_defaults["project_name"],
+        entity=args.wandb_entity,  # None: WANDB_ENTITY, else the default entity, as for the runs
+        group=comparison["group"],
+        job_type="comparison",
+        name=f"{comparison['group']}-comparison",
+        id=args.comparison_run_id,
+        resume="allow",
+    )
+    try:
+        run.config.update(config, allow_val_change=True)  # a resumed pair: its arms and seeds now
+        run.log({"runs": table, "comparison": wandb.Image(str(png))})
+        run.summary.update(comparison_summary(comparison))
+    finally:
+        run.finish()
+    return f"W&B comparison run {run.id} ({wandb_mode()}) in group {comparison['group']}"
+
+
+def log_to_tensorboard(args, comparison: dict, table: str) -> str:
+    """The same figures as TensorBoard scalars (step 0) and the report's text, in
+    <output_dir>/logs/comparison: rewritten from comparison.json at every comparison of the pair."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder = args.output_dir / "logs" / "comparison"
+    shutil.rmtree(folder, ignore_errors=True)  # the previous comparison's, derived from the same runs
+    writer = SummaryWriter(str(folder))
+    try:
+        for key, value in comparison_summary(comparison).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                writer.add_scalar(key, value, global_step=0)
+        writer.add_text("comparison", table, global_step=0)
+    finally:
+        writer.close()
+    return f"TensorBoard: {folder}"
+
+
 # ----------------------------------------------------------------------------- W&B report
 def build_report(comparison: dict, project: str, entity: str | None):
-    """A W&B Report of the pair: its runs (filtered on the group, grouped by arm) with loss
-    curves, dev metrics, throughput, peak memory and the fp16 loss scale."""
+    """A W&B Report of the pair. It opens with the verdict: the comparison's text (comparison.md)
+    and the comparison run's table of every arm x seed, its plot and its summary; then the pair's
+    runs (filtered on the group, grouped by arm) with loss curves, dev metrics, throughput, peak
+    memory and the fp16 loss scale."""
     try:
         import wandb_workspaces.reports.v2 as wr
     except ImportError:
@@ -599,15 +790,23 @@ def build_report(comparison: dict, project: str, entity: str | None):
             "(or pip install -e .[report])."
         ) from None
     group = comparison["group"]
-    runset = wr.Runset(
-        project=project,
+    where = {"project": project, **({"entity": entity} if entity else {})}
+    verdict_runs = wr.Runset(
+        name="comparison", filters=f"Group = '{group}' and JobType = 'comparison'", **where
+    )
+    runs = wr.Runset(
         name=group,
-        filters=f"Group = '{group}'",
+        filters=f"Group = '{group}' and JobType != 'comparison'",
         groupby=["run.jobType"],
-        **({"entity": entity} if entity else {}),
+        **where,
     )
     metrics = comparison["metrics"]
-    panels = [
+    verdict_panels = [
+        wr.WeavePanelSummaryTable(table_name="runs"),
+        wr.MediaBrowser(title="comparison.png", media_keys=["comparison"]),
+        wr.RunComparer(),
+    ]
+    run_panels = [
         wr.LinePlot(title="training loss", x="Step", y=["loss"]),
         wr.LinePlot(title="dev metrics", x="Step", y=metrics),
         wr.LinePlot(title="fp16 loss scale", x="Step", y=["loss_scale"], log_y=True),
@@ -616,11 +815,18 @@ def build_report(comparison: dict, project: str, entity: str | None):
         wr.BarPlot(title="training samples/s", metrics=["train_samples_per_second"]),
         wr.BarPlot(title="final dev metrics", metrics=metrics),
     ]
+    text = markdown(comparison, comparison.get("headroom")).split("\n", 1)[1]  # less its title line
     return wr.Report(
         project=project,
         title=f"fp32 vs {', '.join(comparison['arms'][1:])}: {group}",
         description=f"{comparison['recipe']} {shlex.join(comparison['recipe_args'])}",
-        blocks=[wr.H1(text="Paired runs"), wr.PanelGrid(runsets=[runset], panels=panels)],
+        blocks=[
+            wr.H1(text="Verdict"),
+            wr.MarkdownBlock(text=text),
+            wr.PanelGrid(runsets=[verdict_runs], panels=verdict_panels),
+            wr.H1(text="Runs"),
+            wr.PanelGrid(runsets=[runs], panels=run_panels),
+        ],
         **({"entity": entity} if entity else {}),
     )
 
@@ -655,6 +861,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     check_pair_config(args)
+    print(f"Pair group: {args.group} (W&B group of every run; --group to choose another)", flush=True)
     runs = [run_one(args, arm, seed) for seed in args.seeds for arm in args.arms]
     headroom = measure_headroom(args) if args.headroom else None
     comparison = compare(args, runs)
@@ -667,6 +874,10 @@ def main(argv=None) -> dict:
     plot(comparison, args.output_dir / "comparison.png")
     print(table)
     print(f"Wrote {args.output_dir}/comparison.md, comparison.json and comparison.png")
+    if "wandb" in args.trackers and wandb_mode() != "disabled":
+        print(log_to_wandb(args, json_safe(comparison), args.output_dir / "comparison.png"))
+    if "tensorboard" in args.trackers:
+        print(log_to_tensorboard(args, json_safe(comparison), table))
     if args.wandb_report:
         print(wandb_report(args, comparison))
     failed = [r for r in runs if r["status"] == "failed"]

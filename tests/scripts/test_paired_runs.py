@@ -184,10 +184,9 @@ def test_auto_arms_are_fp32_and_what_auto_picks(monkeypatch):
 
 def test_seeds_count_or_list_and_defaults():
     args = parse("--arms", "fp32,fp16", "--seeds", "3")
-    assert (
-        args.seeds == [1, 2, 3] and args.output_dir == Path("pairs/bert_glue") and args.group == "bert_glue"
-    )
+    assert args.seeds == [1, 2, 3] and args.output_dir == Path("pairs/bert_glue") and args.group is None
     assert parse("--arms", "fp32,fp16", "--seeds", "42,7").seeds == [42, 7]
+    args.group = "bert_glue"  # what check_pair_config settles (test_default_group_...)
     command = paired.launch_command(args, "fp16", 2, Path("pairs/x/runs/fp16-seed2"))
     assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     tail = command[command.index(str(paired.find_recipe(None, "bert_glue"))) + 1 :]
@@ -209,25 +208,262 @@ def test_another_command_in_the_same_folder_is_refused(tmp_path):
         paired.check_pair_config(other)
 
 
-# ----------------------------------------------------------------------------- W&B report
-def comparison_stub():
-    return {
-        "group": "mrpc-pair",
-        "arms": ["fp32", "bf16"],
-        "metrics": ["eval_accuracy", "eval_f1"],
-        "recipe": "bert_glue",
-        "recipe_args": ["--task_name", "mrpc"],
+def test_default_group_is_unique_per_pair_and_kept_when_the_pair_resumes(tmp_path):
+    """Two pairs written to folders of one name (pairs/mrpc, here and elsewhere, or after the folder
+    was cleared) get groups of their own: the folder's name and the time the pair started. A resumed
+    pair keeps its group and its comparison run; another --group in the same folder is refused."""
+    from datetime import datetime
+
+    output_dir = tmp_path / "pairs" / "mrpc"
+    output_dir.mkdir(parents=True)
+    args = parse("--arms", "fp32,bf16", "--output_dir", str(output_dir))
+    before = datetime.now().replace(microsecond=0)
+    paired.check_pair_config(args)
+    name, day, clock = args.group.split("-")
+    started = datetime.strptime(f"{day}-{clock}", "%Y%m%d-%H%M%S")
+    assert name == "mrpc" and before <= started <= datetime.now()
+    record = json.loads((output_dir / "pair.json").read_text())
+    assert record["group"] == args.group and len(record["comparison_run_id"]) == 8
+
+    again = parse("--arms", "fp32,bf16", "--output_dir", str(output_dir))
+    paired.check_pair_config(again)
+    assert (again.group, again.comparison_run_id) == (args.group, record["comparison_run_id"])
+    other = parse("--arms", "fp32,bf16", "--output_dir", str(output_dir), "--group", "mine")
+    with pytest.raises(SystemExit, match="other settings \\(group: '" + args.group):
+        paired.check_pair_config(other)
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch):
+    """A machine where nobody ran `wandb login`: no key in the environment, an empty ~/.netrc."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("")
+    monkeypatch.setenv("NETRC", str(netrc))
+    return netrc
+
+
+@pytest.mark.parametrize(
+    ("argv", "wandb_mode", "message"),
+    [
+        (
+            ["--wandb_report", "--report_to", "wandb"],
+            "offline",
+            "--wandb_report needs the wandb-workspaces package: pip install wandb-workspaces",
+        ),
+        (["--wandb_report"], "offline", "--wandb_report needs the runs in W&B: pass --report_to wandb"),
+        (["--headroom"], "offline", "--headroom on a CPU needs --memory_budget_gb"),
+        (
+            ["--report_to", "wandb"],
+            None,
+            "W&B is online (WANDB_MODE is unset) and this machine is not logged in",
+        ),
+        (["--report_to", "all"], None, "or set WANDB_MODE=offline to keep the runs on this disk"),
+    ],
+    ids=["no-wandb-workspaces", "report-without-wandb", "headroom-without-budget", "not-logged-in", "all"],
+)
+def test_what_would_fail_late_fails_before_the_first_run(
+    argv, wandb_mode, message, tmp_path, monkeypatch, capsys, no_wandb_login
+):
+    if "--wandb_report" in argv:  # the package, as missing as on a machine without it
+        monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
+    if wandb_mode:
+        monkeypatch.setenv("WANDB_MODE", wandb_mode)
+    output_dir = tmp_path / "pair"
+    with pytest.raises(SystemExit) as error:
+        paired.main(["--arms", "fp32,bf16", "--output_dir", str(output_dir), *glue_flags(), *argv])
+    assert error.value.code == 2 and message in capsys.readouterr().err
+    assert not output_dir.exists()  # not one run started, not even the pair's folder
+
+
+def test_the_wandb_mode_and_where_the_runs_go_are_said_before_the_first_run(
+    monkeypatch, capsys, no_wandb_login
+):
+    no_wandb_login.write_text("machine api.wandb.ai login user password 0123456789abcdef\n")
+    parse("--arms", "fp32,bf16", "--report_to", "wandb", "--wandb_entity", "my-team")
+    assert "W&B: online; project amp-recipes, entity my-team." in capsys.readouterr().out
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    no_wandb_login.write_text("")
+    parse("--arms", "fp32,bf16", "--report_to", "wandb", "--project_name", "mine")
+    assert "W&B: offline; project mine, entity your default." in capsys.readouterr().out
+
+
+def write_pair(output_dir: Path, seeds=(1, 2, 3)):
+    """Finished runs of a pair (fp32 and bf16 over three seeds) and the headroom search's result,
+    as the recipe and the benchmark write them."""
+    for seed in seeds:
+        for arm, f1, accuracy, speed, memory in (
+            ("fp32", 0.80 + seed / 100, 0.70, 10.0, 4e9),
+            ("bf16", 0.81 + seed / 200, 0.71 + seed / 100, 10.0 + seed, 3e9 - seed * 1e8),
+        ):
+            results = figures(f1, speed, memory, arm, sha=f"init-{seed}")
+            write_run(output_dir / "runs" / f"{arm}-seed{seed}", **results, eval_accuracy=accuracy)
+    (output_dir / "headroom").mkdir(parents=True, exist_ok=True)
+    bench = {
+        "arms": {
+            "fp32": {"max_batch_size": 256},
+            "bf16": {"max_batch_size": 512, "ratios_vs_fp32": {"headroom": 2.0}},
+        },
+        "config": {"seq_len": 128},
     }
+    (output_dir / "headroom" / "results.json").write_text(json.dumps(bench))
 
 
-def test_wandb_report_is_built_offline_with_its_panels_and_filter():
-    report = paired.build_report(comparison_stub(), "amp-recipes", "my-team")
+def expected_summary(comparison: dict) -> dict:
+    """Every figure the comparison run's summary must hold, read from comparison.json."""
+    versus = comparison["vs_fp32"]["bf16"]
+    expected = {
+        "headroom/memory_budget_gb": 6.0,
+        "fp32/headroom_batch": 256,
+        "bf16/headroom_batch": 512,
+        "bf16/headroom_ratio": 2.0,
+        "bf16/seeds": 3,
+        "bf16/speedup": versus["speedup"]["mean"],
+        "bf16/speedup_sd": versus["speedup"]["sd"],
+        "bf16/memory_drop_percent": versus["memory_drop_percent"]["mean"],
+        "bf16/memory_drop_percent_sd": versus["memory_drop_percent"]["sd"],
+    }
+    for name in ("eval_accuracy", "eval_f1"):
+        metric = versus["metrics"][name]
+        expected[f"bf16/{name}/difference"] = metric["mean"]
+        expected[f"bf16/{name}/ci_low"], expected[f"bf16/{name}/ci_high"] = metric["ci"]
+        expected[f"bf16/{name}/verdict"] = metric["verdict"]
+    return expected
+
+
+def comparison_runs(wandb_root: Path) -> list:
+    """The offline W&B runs of job type `comparison` under wandb_root, oldest first."""
+    found = []
+    for run_dir in sorted((wandb_root / "wandb").glob("offline-run-*")):
+        record, config, _ = offline_run(wandb_root, run_dir)
+        if record.job_type == "comparison":
+            found.append((run_dir, record, config, offline_summary(wandb_root, run_dir)))
+    return found
+
+
+def check_comparison_run(wandb_root: Path, run_dir: Path, record, config, summary, comparison: dict):
+    """The W&B comparison run, read back from its offline records, against comparison.json."""
+    assert (
+        record.run_group == comparison["group"] and record.display_name == f"{comparison['group']}-comparison"
+    )
+    assert (config["recipe"], config["arms"], config["seeds"]) == ("bert_glue", ["fp32", "bf16"], [1, 2, 3])
+    assert config["recipe_args"] == paired.shlex.join(comparison["recipe_args"])
+    assert config["hardware"] == comparison["hardware"]
+    assert {"torch", "transformers", "accelerate", "datasets", "evaluate", "wandb"} <= set(config["versions"])
+    # The decoder flattens the logged table's and image's references to "runs/path", "comparison/path" ...
+    media = {key for key in summary if key.startswith(("runs/", "comparison/", "_"))}
+    assert {key: value for key, value in summary.items() if key not in media} == expected_summary(comparison)
+    table = json.loads((run_dir / "files" / summary["runs/path"]).read_text())
+    assert summary["runs/_type"] == "table-file"
+    assert [dict(zip(table["columns"], row, strict=True)) for row in table["data"]] == comparison["rows"]
+    image = run_dir / "files" / summary["comparison/path"]
+    assert summary["comparison/_type"] == "image-file" and image.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_comparison_is_a_wandb_run_and_tensorboard_scalars_with_comparison_json_figures(
+    tmp_path, wandb_dir, monkeypatch, capsys
+):
+    """`--report_to all` (W&B offline, TensorBoard): the comparison of a finished pair, read back
+    as a user would see it, figure for figure against comparison.json; the same command again
+    (a resumed pair) updates that W&B run and rewrites the TensorBoard figures."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    output_dir = tmp_path / "pair"
+    write_pair(output_dir)
+    argv = ["--arms", "fp32,bf16", "--seeds", "3", "--output_dir", str(output_dir), "--compare_only"]
+    argv += ["--headroom", "--memory_budget_gb", "6", *glue_flags(), "--report_to", "all"]
+    paired.main(argv)
+    comparison = json.loads((output_dir / "comparison.json").read_text())
+    assert [(row["arm"], row["seed"]) for row in comparison["rows"]] == [
+        (arm, seed) for seed in (1, 2, 3) for arm in ("fp32", "bf16")
+    ]
+    assert (
+        comparison["rows"][1]["eval_accuracy"] == 0.72 and comparison["rows"][1]["peak_memory_bytes"] == 2.9e9
+    )
+    ((run_dir, record, config, summary),) = comparison_runs(wandb_dir)
+    check_comparison_run(wandb_dir, run_dir, record, config, summary, comparison)
+    out = capsys.readouterr().out
+    assert f"Pair group: {comparison['group']}" in out and f"W&B comparison run {record.run_id}" in out
+
+    def tensorboard_figures():
+        (events,) = (output_dir / "logs" / "comparison").glob("events.out.tfevents.*")
+        accumulator = EventAccumulator(str(events.parent), size_guidance={"tensors": 0, "scalars": 0})
+        accumulator.Reload()
+        scalars = {tag: accumulator.Scalars(tag) for tag in accumulator.Tags()["scalars"]}
+        assert all(len(points) == 1 and points[0].step == 0 for points in scalars.values())
+        (text,) = accumulator.Tensors("comparison/text_summary")
+        return {tag: points[0].value for tag, points in scalars.items()}, text.tensor_proto.string_val[
+            0
+        ].decode()
+
+    scalars, text = tensorboard_figures()
+    numbers = {k: v for k, v in expected_summary(comparison).items() if not isinstance(v, str)}
+    assert scalars.keys() == numbers.keys()
+    assert all(scalars[k] == pytest.approx(v, rel=1e-6) for k, v in numbers.items())  # float32 events
+    assert "**bf16 vs fp32** (paired by seed, 3 seed(s))" in text
+
+    # The same pair again, with a fourth seed finished since: one comparison run, updated.
+    write_pair(output_dir, seeds=(4,))  # (the headroom file is rewritten as it was)
+    paired.main([*argv[:2], "--seeds", "4", *argv[4:]])
+    comparison = json.loads((output_dir / "comparison.json").read_text())
+    (first, second) = comparison_runs(wandb_dir)
+    assert first[1].run_id == second[1].run_id  # the same W&B run, resumed
+    assert second[2]["seeds"] == [1, 2, 3, 4] and len(comparison["rows"]) == 8
+    assert second[3]["bf16/seeds"] == 4
+    scalars, _ = tensorboard_figures()  # rewritten, not appended
+    assert scalars["bf16/speedup"] == pytest.approx(
+        comparison["vs_fp32"]["bf16"]["speedup"]["mean"], rel=1e-6
+    )
+
+
+def test_wandb_report_opens_with_the_verdict_then_the_runs(tmp_path):
+    output_dir = tmp_path / "pair"
+    write_pair(output_dir)
+    runs = [
+        {
+            "arm": arm,
+            "seed": seed,
+            "run_dir": str(output_dir / "runs" / f"{arm}-seed{seed}"),
+            "status": "finished",
+        }
+        for seed in (1, 2, 3)
+        for arm in ("fp32", "bf16")
+    ]
+    comparison = paired.compare(fake_args(["fp32", "bf16"], [1, 2, 3]), runs)
+    comparison["group"] = "mrpc-pair"
+    report = paired.build_report(comparison, "amp-recipes", "my-team")
     assert (report.project, report.entity) == ("amp-recipes", "my-team")
     assert report.title == "fp32 vs bf16: mrpc-pair"
+    kinds = [type(block).__name__ for block in report.blocks]
+    assert kinds == ["H1", "MarkdownBlock", "PanelGrid", "H1", "PanelGrid"]
+    assert [report.blocks[0].text, report.blocks[3].text] == ["Verdict", "Runs"]
+    assert "**bf16 vs fp32** (paired by seed, 3 seed(s)): speedup" in report.blocks[1].text
+    verdict = report.blocks[2]
+    (runset,) = verdict.runsets
+    assert runset.filters == "Group = 'mrpc-pair' and JobType = 'comparison'"
+    assert [type(panel).__name__ for panel in verdict.panels] == [
+        "WeavePanelSummaryTable",
+        "MediaBrowser",
+        "RunComparer",
+    ]
+    assert verdict.panels[0].table_name == "runs" and verdict.panels[1].media_keys == ["comparison"]
     grid = report.blocks[-1]
     (runset,) = grid.runsets
-    assert runset.filters == "Group = 'mrpc-pair'" and runset.groupby == ["run.jobType"]
+    assert runset.filters == "Group = 'mrpc-pair' and JobType != 'comparison'" and runset.groupby == [
+        "run.jobType"
+    ]
     assert (runset.project, runset.entity) == ("amp-recipes", "my-team")
+    # The filters as W&B reads them (wandb_workspaces' own parser): the group, and the job type.
+    from wandb_workspaces import expr
+
+    for grid_block, op in ((verdict, "="), (grid, "!=")):
+        parsed = expr.expr_to_filters(grid_block.runsets[0].filters).filters
+        assert [(f.key.name, f.op, f.value) for f in parsed] == [
+            ("group", "=", "mrpc-pair"),
+            ("jobType", op, "comparison"),
+        ]
     plotted = {panel.title: getattr(panel, "y", None) or panel.metrics for panel in grid.panels}
     assert plotted == {
         "training loss": ["loss"],
@@ -238,13 +474,6 @@ def test_wandb_report_is_built_offline_with_its_panels_and_filter():
         "training samples/s": ["train_samples_per_second"],
         "final dev metrics": ["eval_accuracy", "eval_f1"],
     }
-
-
-def test_wandb_report_without_the_package_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
-    monkeypatch.setitem(sys.modules, "wandb_workspaces.reports.v2", None)
-    with pytest.raises(SystemExit, match=r"pip install wandb-workspaces \(or pip install -e .\[report\]\)"):
-        paired.build_report(comparison_stub(), "amp-recipes", "me")
 
 
 # ----------------------------------------------------------------------------- headroom
@@ -344,12 +573,22 @@ def test_pairs_run_resume_and_compare_end_to_end(tmp_path, headless_bert):
     assert (output_dir / "comparison.md").read_text() in first.stdout
     assert (output_dir / "comparison.png").stat().st_size > 10_000
     assert "W&B report built, not saved (WANDB_MODE is offline)" in first.stdout
-    # W&B: one offline run per arm x seed, in the pair's group, job type = arm, tagged, seed in config.
+    # W&B: one offline run per arm x seed, in the pair's group, job type = arm, tagged, seed in config;
+    # and the pair's comparison run, whose figures are comparison.json's.
+    group = comparison["group"]
+    assert group.startswith("pair-") and f"Pair group: {group}" in first.stdout
+    ((_, record, _, summary),) = comparison_runs(tmp_path)
+    assert record.run_group == group and f"W&B comparison run {record.run_id} (offline)" in first.stdout
+    versus = comparison["vs_fp32"]["bf16"]
+    assert summary["bf16/speedup"] == versus["speedup"]["mean"]
+    assert summary["bf16/eval_f1/verdict"] == versus["metrics"]["eval_f1"]["verdict"]
     seen = set()
     for run_dir in sorted((tmp_path / "wandb").glob("offline-run-*")):
         record, config, _ = offline_run(tmp_path, run_dir)
+        if record.job_type == "comparison":
+            continue
         arm, seed = record.job_type, config["seed"]
-        assert record.run_group == "pair" and record.display_name == f"pair-{arm}-seed{seed}"
+        assert record.run_group == group and record.display_name == f"{group}-{arm}-seed{seed}"
         assert list(record.tags) == [arm, f"seed{seed}", "paired"]
         assert (
             offline_summary(tmp_path, run_dir)["peak_memory_bytes"] == results[arm, seed]["peak_memory_bytes"]
@@ -390,6 +629,9 @@ def test_pairs_run_resume_and_compare_end_to_end(tmp_path, headless_bert):
         losses[arm] = [json.loads(line)["loss"] for line in history if '"loss"' in line]
     assert len(losses["fp32"]) == 6 and losses["fp16"] == losses["fp32"]
     assert "- fp16 seed 2: failed" in (output_dir / "comparison.md").read_text()
+    # The resumed pair kept its group, and updated its one comparison run.
+    assert comparison["group"] == group
+    assert len({record.run_id for _, record, _, _ in comparison_runs(tmp_path)}) == 1
     # --compare_only: runs nothing, reports what is missing.
     third = run(
         pair_command(output_dir, headless_bert, "--arms", "fp32,bf16", "--seeds", "1,2,4", "--compare_only"),
