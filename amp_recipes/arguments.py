@@ -77,7 +77,7 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         "--fp8_backend",
         choices=["ao", "te"],
         default=None,
-        help="fp8 engine: ao = torchao's Float8Linear (`pip install -e .[fp8]`), te = NVIDIA Transformer "
+        help="fp8 engine: ao = torchao's Float8Linear (`pip install -e '.[fp8]'`), te = NVIDIA Transformer "
         "Engine. Default: accelerate launch's --fp8_backend, else ao.",
     )
     # The GradScaler's settings (fp16 only), passed to accelerate as GradScalerKwargs; the defaults are torch's.

@@ -115,8 +115,8 @@ def resolve_mixed_precision(flag: str | None) -> tuple[str | None, str | None]:
 # --fp8_backend -> (package, how to install it). torchao is the default: a plain wheel from the
 # package index (our `[fp8]` extra); Transformer Engine builds against the local CUDA toolkit.
 FP8_BACKENDS = {
-    "ao": ("torchao", "pip install -e .[fp8]"),
-    "te": ("transformer_engine", "pip install transformer-engine[pytorch]"),
+    "ao": ("torchao", "pip install -e '.[fp8]'"),
+    "te": ("transformer_engine", "pip install 'transformer-engine[pytorch]'"),
 }
 FP8_CAPABILITY = (8, 9)  # fp8 Tensor Cores: Ada (8.9: L4, L40S), Hopper (9.0: H100, H200), Blackwell
 
@@ -357,7 +357,7 @@ def preflight_checks(
     if requested == "bf16" and facts["device_type"] == "cpu" and not facts["bf16_supported"]:
         warnings.append(
             f"bf16 on {where}, which has no native bf16 (AVX512-BF16/AMX): autocast emulates it and runs "
-            "much slower than fp32 (about 15x for a small BERT); use --mixed_precision no (or auto)."
+            "much slower than fp32 (19x for MiniLM-L6 on SST-2, docs/paired-runs.md); use --mixed_precision no (or auto)."
         )
     if requested == "bf16" and facts["device_type"] == "cuda" and not facts["bf16_supported"]:
         refusals.append(

@@ -169,7 +169,7 @@ def check_before_runs(parser, args) -> None:
     if args.wandb_report and importlib.util.find_spec("wandb_workspaces") is None:
         parser.error(
             "--wandb_report needs the wandb-workspaces package: pip install wandb-workspaces "
-            "(or pip install -e .[report])."
+            "(or pip install -e '.[report]')."
         )
     if args.headroom and not args.memory_budget_gb:
         import torch
@@ -787,7 +787,7 @@ def build_report(comparison: dict, project: str, entity: str | None):
     except ImportError:
         raise SystemExit(
             "error: --wandb_report needs the wandb-workspaces package: pip install wandb-workspaces "
-            "(or pip install -e .[report])."
+            "(or pip install -e '.[report]')."
         ) from None
     group = comparison["group"]
     where = {"project": project, **({"entity": entity} if entity else {})}

@@ -1,6 +1,7 @@
 """recipes/bert_glue.py end to end: real `accelerate launch` subprocesses on real MRPC files.
 (Its training math against an independent loop: tests/scripts/test_compare_loops.py.)"""
 
+import ast
 import json
 import os
 import sys
@@ -246,3 +247,24 @@ def test_cli_prints_one_error_line_without_traceback(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: No GLUE files for cola under")
     assert "Traceback" not in result.stderr
+
+
+def test_the_documented_pipeline_snippet_runs_on_a_runs_output_folder(tmp_path, monkeypatch, capsys):
+    """docs/getting-started.md's "Use your fine-tuned model" snippet, as written, on the folder a
+    run saved at its path (outputs/quickstart, relative to where the snippet runs): it answers with
+    one of the task's label names."""
+    from conftest import load_recipe, train
+
+    page = (REPO / "docs" / "getting-started.md").read_text()
+    section = page.split("## Use your fine-tuned model")[1]
+    snippet = section.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    train(
+        load_recipe("bert_glue"),
+        glue_flags(output_dir=tmp_path / "outputs" / "quickstart", max_train_steps=2),
+    )
+    capsys.readouterr()
+    exec(compile(snippet, "getting-started.md", "exec"), {})
+    answer = ast.literal_eval(capsys.readouterr().out.strip())  # as the snippet's comment shows it
+    assert answer.keys() == {"label", "score"}
+    assert answer["label"] in ("equivalent", "not_equivalent") and 0 < answer["score"] <= 1

@@ -4,6 +4,7 @@
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -90,3 +91,75 @@ def test_the_site_builds_strictly(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "site" / "api" / "index.html").read_text().count("amp_recipes.precision") > 0
+
+
+# ----------------------------------------------------------------------------- documented commands
+DOCUMENTED = [REPO / "README.md", *sorted(DOCS.rglob("*.md")), REPO / "recipes" / "README.md"]
+RUNS_A_RECIPE = re.compile(r"(?<![\w/])recipes/(\w+)\.py\s(.*)")
+LAUNCHERS = re.compile(r"\b(python|accelerate launch|srun|torchrun)\b")
+
+
+def shell_words(line: str) -> list[str]:
+    """The words a shell makes of `line`: a command substitution `$(...)` (parentheses nested) is one
+    word, as its output is; a `# comment` ends the line."""
+    out, depth, start = [], 0, None
+    for index, char in enumerate(line):
+        if line.startswith("$(", index) and depth == 0:
+            start = index
+        if start is not None:
+            depth += char == "("
+            depth -= char == ")"
+            if depth == 0 and char == ")":
+                out.append((start, index + 1))
+                start = None
+    for begin, end in reversed(out):
+        line = line[:begin] + "SUBSTITUTED" + line[end:]
+    return shlex.split(line, comments=True)
+
+
+def documented_recipe_commands() -> list[tuple[str, str, list[str]]]:
+    """Every command in a code block of the README, docs/ and recipes/README.md that runs a recipe
+    (python, accelerate launch, srun, torchrun): its page, the recipe and the recipe's flags."""
+    found = []
+    for page in DOCUMENTED:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", page.read_text(), re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                match = RUNS_A_RECIPE.search(line)
+                if match and LAUNCHERS.search(line):
+                    found.append((str(page.relative_to(REPO)), match.group(1), shell_words(match.group(2))))
+    return found
+
+
+def test_every_documented_recipe_command_parses_with_the_recipes_own_parser(capsys):
+    """A wrong or renamed flag in any documented command fails here, with the page that shows it."""
+    from conftest import load_recipe
+
+    commands = documented_recipe_commands()
+    assert len(commands) >= 20 and {recipe for _, recipe, _ in commands} == {
+        "bert_glue",
+        "bert_ner",
+        "bert_qa",
+        "bert_mlm",
+    }
+    failed = []
+    for page, recipe, argv in commands:
+        try:
+            load_recipe(recipe).parse_args(argv)
+        except SystemExit:
+            failed.append((page, recipe, argv, capsys.readouterr().err.strip().splitlines()[-1:]))
+    assert not failed, failed
+
+
+def test_the_checkpoints_example_checkpoints_before_its_run_ends():
+    """docs/checkpoints.md's MRPC example: its --checkpointing_steps falls inside the run (GLUE's
+    MRPC train split: 3,668 pairs), so its resume line has a checkpoint to resume."""
+    import math
+
+    from conftest import load_recipe
+
+    examples = [argv for page, _, argv in documented_recipe_commands() if page == "docs/checkpoints.md"]
+    assert len(examples) == 2 and "--resume_from_checkpoint" in examples[1]
+    for argv in examples:
+        args = load_recipe("bert_glue").parse_args(argv)
+        steps = math.ceil(3668 / args.per_device_train_batch_size) * args.num_train_epochs
+        assert args.task_name == "mrpc" and 0 < int(args.checkpointing_steps) < steps, steps

@@ -289,12 +289,12 @@ def test_fp8_without_its_backend_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(precision, "is_torchao_available", lambda: False)
     monkeypatch.setattr(precision, "is_transformer_engine_available", lambda: False)
     assert fp8_refusal(H100, "ao") == (
-        "fp8 with --fp8_backend ao needs torchao, which is not installed: `pip install -e .[fp8]` "
+        "fp8 with --fp8_backend ao needs torchao, which is not installed: `pip install -e '.[fp8]'` "
         "(or use --mixed_precision bf16 on this NVIDIA H100)."
     )
     assert fp8_refusal(L4, "te") == (
         "fp8 with --fp8_backend te needs transformer_engine, which is not installed: "
-        "`pip install transformer-engine[pytorch]` (or use --mixed_precision bf16 on this NVIDIA L4)."
+        "`pip install 'transformer-engine[pytorch]'` (or use --mixed_precision bf16 on this NVIDIA L4)."
     )
 
 
