@@ -25,6 +25,7 @@ and a text in <output_dir>/logs/comparison.
 from __future__ import annotations
 
 import argparse
+import configparser
 import importlib.util
 import json
 import math
@@ -91,7 +92,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--group",
         help="W&B group of the pair (default: the output folder's name and the time the pair started, "
-        "e.g. mrpc-20261203-1807; a resumed pair keeps its group).",
+        "e.g. mrpc-20261203-180712; a resumed pair keeps its group).",
     )
     parser.add_argument(
         "--accelerate_config", help="`accelerate launch --config_file` for every run (default: accelerate's)."
@@ -144,22 +145,37 @@ def trackers(report_to: str) -> list[str]:
 
 
 def wandb_mode() -> str:
-    """online, offline or disabled: what WANDB_MODE tells every W&B run of the pair."""
-    mode = os.environ.get("WANDB_MODE", "online").lower()
+    """online, offline, disabled (or shared): the mode every W&B run of the pair starts in, from
+    WANDB_MODE, else what `wandb offline` / `wandb online` saved in ./wandb/settings (this folder) or
+    in wandb's global settings file."""
+    mode = os.environ.get("WANDB_MODE")
+    if not mode:
+        settings = configparser.ConfigParser()
+        config_dir = os.environ.get("WANDB_CONFIG_DIR") or Path("~/.config/wandb").expanduser()
+        settings.read([Path(config_dir) / "settings", Path("wandb") / "settings"])  # the local one wins
+        mode = settings.get("default", "mode", fallback="online")
+    mode = mode.lower()
     return "offline" if mode == "dryrun" else mode
 
 
 def wandb_logged_in() -> bool:
     """What `wandb login` leaves: an API key in WANDB_API_KEY (or an identity token file), or the
-    W&B host's entry in ~/.netrc (or $NETRC). Read here, without a network call."""
+    W&B server's entry in the netrc file ($NETRC, else ~/.netrc or ~/_netrc), found as wandb finds
+    it (by the server URL's host and port). Read here, without a network call."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
-    try:
-        return netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
+    server = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).netloc
+    if os.environ.get("NETRC"):
+        paths = [Path(os.environ["NETRC"]).expanduser()]
+    else:
+        paths = [Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()]
+    for path in paths:
+        try:
+            if netrc.netrc(path).authenticators(server) is not None:
+                return True
+        except (OSError, netrc.NetrcParseError):
+            continue
+    return False
 
 
 def check_before_runs(parser, args) -> None:
@@ -171,21 +187,23 @@ def check_before_runs(parser, args) -> None:
             "--wandb_report needs the wandb-workspaces package: pip install wandb-workspaces "
             "(or pip install -e '.[report]')."
         )
-    if args.headroom and not args.memory_budget_gb:
+    searched = (args.output_dir / "headroom" / "results.json").is_file()  # reused, not searched again
+    if args.headroom and not args.memory_budget_gb and not searched:
         import torch
 
         if not torch.cuda.is_available():
             parser.error(
-                "--headroom on a CPU needs --memory_budget_gb: there the batch search stops at that "
-                "cap, and the benchmark does not search without one."
+                "--headroom on a CPU needs --memory_budget_gb (e.g. --memory_budget_gb 6): there the "
+                "batch search stops at that cap, and the benchmark does not search without one."
             )
     if "wandb" in args.trackers:
         mode = wandb_mode()
         if mode == "online" and not wandb_logged_in():
             parser.error(
-                f"--report_to wandb: W&B is online (WANDB_MODE is {os.environ.get('WANDB_MODE') or 'unset'}) "
-                "and this machine is not logged in: run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to keep the "
-                "runs on this disk and upload them later with `wandb sync --sync-all`."
+                f"--report_to {args.recipe_defaults['report_to']}: W&B would run online and this machine "
+                "is not logged in: run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline "
+                "(or run `wandb offline`) to keep the runs on this disk and upload them later with "
+                "`wandb sync --sync-all`."
             )
         print(
             f"W&B: {mode}; project {args.recipe_defaults['project_name']}, entity "
@@ -363,13 +381,16 @@ def check_pair_config(args) -> None:
         "recipe_args": args.recipe_args,
         "accelerate_config": args.accelerate_config,
         "group": args.group,
+        # The comparison run's id is only that entity's: another entity would make a second run.
+        "wandb_entity": args.wandb_entity or os.environ.get("WANDB_ENTITY"),
     }
     if before:
         changed = [key for key in config if before.get(key) != config[key]]
         if changed:
             raise SystemExit(
                 f"error: {args.output_dir} holds a pair run with other settings ({', '.join(changed)}: "
-                f"{', '.join(repr(before.get(k)) for k in changed)}); give another --output_dir."
+                f"{', '.join(repr(before.get(k)) for k in changed)}); give another --output_dir, or "
+                "run the pair with its own settings (without --group, it keeps its group)."
             )
     args.comparison_run_id = before.get("comparison_run_id") or secrets.token_hex(4)
     from amp_recipes.records import write_json_atomic
@@ -578,7 +599,7 @@ def markdown(comparison: dict, headroom: dict | None) -> str:
             f"**{arm} vs fp32** (paired by seed, {len(v['seeds'])} seed(s)): {speed}"
             + (
                 f", batch headroom {headroom['headroom'][arm]:.2f}x"
-                if headroom and headroom["headroom"].get(arm)
+                if headroom and (headroom.get("headroom") or {}).get(arm)
                 else ""
             )
             + ".",
@@ -674,7 +695,7 @@ def measure_headroom(args) -> dict:
         "max_batch_size": {arm: r.get("max_batch_size") for arm, r in arms.items()},
         "capped_at_search_max": {arm: bool(r.get("capped_at_search_max")) for arm, r in arms.items()},
         "headroom": {arm: (arms[arm].get("ratios_vs_fp32") or {}).get("headroom") for arm in args.arms[1:]},
-        "memory_budget_gb": args.memory_budget_gb,
+        "memory_budget_gb": bench["config"].get("memory_budget_gb"),  # the search's cap, as it ran
         "note": bench.get("search_note")
         or f"largest batch at {bench['config']['seq_len']} tokens, {head} head, from {results_file}",
         "results": str(results_file),
@@ -749,10 +770,18 @@ def log_to_wandb(args, comparison: dict, png: Path) -> str:
         id=args.comparison_run_id,
         resume="allow",
     )
+    summary = comparison_summary(comparison)
     try:
         run.config.update(config, allow_val_change=True)  # a resumed pair: its arms and seeds now
         run.log({"runs": table, "comparison": wandb.Image(str(png))})
-        run.summary.update(comparison_summary(comparison))
+        # A resumed run keeps its old summary: a figure this comparison no longer has (an arm's
+        # no_ratio_reason once it ran, a headroom since dropped) must not stand beside the new ones.
+        for key in [
+            key for key in run.summary.keys() if key not in summary and key not in ("runs", "comparison")
+        ]:
+            if not key.startswith("_"):
+                del run.summary[key]
+        run.summary.update(summary)
     finally:
         run.finish()
     return f"W&B comparison run {run.id} ({wandb_mode()}) in group {comparison['group']}"
@@ -833,12 +862,12 @@ def build_report(comparison: dict, project: str, entity: str | None):
 
 def wandb_report(args, comparison: dict) -> str:
     project = args.recipe_defaults.get("project_name") or "amp-recipes"
-    offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
+    offline = wandb_mode() in ("offline", "disabled")
     entity = args.wandb_entity or os.environ.get("WANDB_ENTITY") or ("offline" if offline else None)
     report = build_report(comparison, project, entity)
     if offline:
         return (
-            "W&B report built, not saved (WANDB_MODE is offline): upload the runs with `wandb sync "
+            "W&B report built, not saved (W&B is offline): upload the runs with `wandb sync "
             "--sync-all`, then run this command again online with --wandb_report."
         )
     report.save()

@@ -43,12 +43,14 @@ def run_file(wandb_dir, run_dir=None) -> Path:
 
 
 def offline_summary(wandb_dir, run_dir=None) -> dict:
-    """The run summary as the run last set it (its `summary` records, in order)."""
+    """The run summary as the run last set it (its `summary` records, in order: updates and removals)."""
     summary = {}
     for record in read_records(run_file(wandb_dir, run_dir)):
         if record.WhichOneof("record_type") == "summary":
             for item in record.summary.update:
                 summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+            for item in record.summary.remove:
+                summary.pop(item.key or "/".join(item.nested_key), None)
     return summary
 
 

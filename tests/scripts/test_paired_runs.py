@@ -208,12 +208,13 @@ def test_another_command_in_the_same_folder_is_refused(tmp_path):
         paired.check_pair_config(other)
 
 
-def test_default_group_is_unique_per_pair_and_kept_when_the_pair_resumes(tmp_path):
+def test_default_group_is_unique_per_pair_and_kept_when_the_pair_resumes(tmp_path, monkeypatch):
     """Two pairs written to folders of one name (pairs/mrpc, here and elsewhere, or after the folder
     was cleared) get groups of their own: the folder's name and the time the pair started. A resumed
     pair keeps its group and its comparison run; another --group in the same folder is refused."""
     from datetime import datetime
 
+    monkeypatch.delenv("WANDB_ENTITY", raising=False)
     output_dir = tmp_path / "pairs" / "mrpc"
     output_dir.mkdir(parents=True)
     args = parse("--arms", "fp32,bf16", "--output_dir", str(output_dir))
@@ -231,16 +232,23 @@ def test_default_group_is_unique_per_pair_and_kept_when_the_pair_resumes(tmp_pat
     other = parse("--arms", "fp32,bf16", "--output_dir", str(output_dir), "--group", "mine")
     with pytest.raises(SystemExit, match="other settings \\(group: '" + args.group):
         paired.check_pair_config(other)
+    # The comparison run's id belongs to one W&B entity: another one for this pair is refused too.
+    other = parse("--arms", "fp32,bf16", "--output_dir", str(output_dir), "--wandb_entity", "my-team")
+    with pytest.raises(SystemExit, match="other settings \\(wandb_entity: None\\)"):
+        paired.check_pair_config(other)
 
 
 @pytest.fixture
 def no_wandb_login(tmp_path, monkeypatch):
-    """A machine where nobody ran `wandb login`: no key in the environment, an empty ~/.netrc."""
+    """A machine where nobody ran `wandb login` or `wandb offline`: no key or mode in the
+    environment, an empty netrc file, no wandb settings file (global or in the working folder)."""
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
     netrc = tmp_path / "netrc"
     netrc.write_text("")
     monkeypatch.setenv("NETRC", str(netrc))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.chdir(tmp_path)
     return netrc
 
 
@@ -253,21 +261,32 @@ def no_wandb_login(tmp_path, monkeypatch):
             "--wandb_report needs the wandb-workspaces package: pip install wandb-workspaces",
         ),
         (["--wandb_report"], "offline", "--wandb_report needs the runs in W&B: pass --report_to wandb"),
-        (["--headroom"], "offline", "--headroom on a CPU needs --memory_budget_gb"),
+        (
+            ["--headroom"],
+            "offline",
+            "--headroom on a CPU needs --memory_budget_gb (e.g. --memory_budget_gb 6)",
+        ),
         (
             ["--report_to", "wandb"],
             None,
-            "W&B is online (WANDB_MODE is unset) and this machine is not logged in",
+            "--report_to wandb: W&B would run online and this machine is not logged in",
         ),
-        (["--report_to", "all"], None, "or set WANDB_MODE=offline to keep the runs on this disk"),
+        (
+            ["--report_to", "all"],
+            None,
+            "--report_to all: W&B would run online and this machine is not logged in",
+        ),
     ],
     ids=["no-wandb-workspaces", "report-without-wandb", "headroom-without-budget", "not-logged-in", "all"],
 )
 def test_what_would_fail_late_fails_before_the_first_run(
     argv, wandb_mode, message, tmp_path, monkeypatch, capsys, no_wandb_login
 ):
+    import torch
+
     if "--wandb_report" in argv:  # the package, as missing as on a machine without it
         monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU, on any machine
     if wandb_mode:
         monkeypatch.setenv("WANDB_MODE", wandb_mode)
     output_dir = tmp_path / "pair"
@@ -278,15 +297,27 @@ def test_what_would_fail_late_fails_before_the_first_run(
 
 
 def test_the_wandb_mode_and_where_the_runs_go_are_said_before_the_first_run(
-    monkeypatch, capsys, no_wandb_login
+    tmp_path, monkeypatch, capsys, no_wandb_login
 ):
+    # Logged in as `wandb login` writes it: the server's host (and port) in the netrc file.
     no_wandb_login.write_text("machine api.wandb.ai login user password 0123456789abcdef\n")
     parse("--arms", "fp32,bf16", "--report_to", "wandb", "--wandb_entity", "my-team")
     assert "W&B: online; project amp-recipes, entity my-team." in capsys.readouterr().out
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://localhost:8080")  # a W&B server of one's own
+    with pytest.raises(SystemExit):
+        parse("--arms", "fp32,bf16", "--report_to", "wandb")
+    no_wandb_login.write_text("machine localhost:8080 login user password 0123456789abcdef\n")
+    parse("--arms", "fp32,bf16", "--report_to", "wandb")
+    # Offline by WANDB_MODE, or by `wandb offline` (its settings file in the working folder).
     no_wandb_login.write_text("")
+    monkeypatch.setenv("WANDB_MODE", "offline")
     parse("--arms", "fp32,bf16", "--report_to", "wandb", "--project_name", "mine")
     assert "W&B: offline; project mine, entity your default." in capsys.readouterr().out
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "settings").write_text("[default]\nmode = offline\n")
+    parse("--arms", "fp32,bf16", "--report_to", "wandb")
+    assert "W&B: offline;" in capsys.readouterr().out
 
 
 def write_pair(output_dir: Path, seeds=(1, 2, 3)):
@@ -305,7 +336,7 @@ def write_pair(output_dir: Path, seeds=(1, 2, 3)):
             "fp32": {"max_batch_size": 256},
             "bf16": {"max_batch_size": 512, "ratios_vs_fp32": {"headroom": 2.0}},
         },
-        "config": {"seq_len": 128},
+        "config": {"seq_len": 128, "memory_budget_gb": 6.0},
     }
     (output_dir / "headroom" / "results.json").write_text(json.dumps(bench))
 
@@ -384,6 +415,12 @@ def test_the_comparison_is_a_wandb_run_and_tensorboard_scalars_with_comparison_j
     )
     ((run_dir, record, config, summary),) = comparison_runs(wandb_dir)
     check_comparison_run(wandb_dir, run_dir, record, config, summary, comparison)
+    # ... and the figures are the pair's own: speeds 11, 12, 13 against 10; memory 2.9, 2.8, 2.7
+    # against 4 GB; a capped search of 256 and 512 under the 6 GB it ran with.
+    assert summary["bf16/speedup"] == pytest.approx(1.2) and summary[
+        "bf16/memory_drop_percent"
+    ] == pytest.approx(30.0)
+    assert (summary["bf16/headroom_ratio"], summary["headroom/memory_budget_gb"]) == (2.0, 6.0)
     out = capsys.readouterr().out
     assert f"Pair group: {comparison['group']}" in out and f"W&B comparison run {record.run_id}" in out
 
@@ -406,12 +443,22 @@ def test_the_comparison_is_a_wandb_run_and_tensorboard_scalars_with_comparison_j
 
     # The same pair again, with a fourth seed finished since: one comparison run, updated.
     write_pair(output_dir, seeds=(4,))  # (the headroom file is rewritten as it was)
+    import wandb
+
+    real_init = wandb.init
+
+    def resumed(**kwargs):  # the summary a resumed online run comes back with: an outdated figure
+        run = real_init(**kwargs)
+        run.summary["bf16/no_ratio_reason"] = "no bf16 run finished"
+        return run
+
+    monkeypatch.setattr(wandb, "init", resumed)
     paired.main([*argv[:2], "--seeds", "4", *argv[4:]])
     comparison = json.loads((output_dir / "comparison.json").read_text())
     (first, second) = comparison_runs(wandb_dir)
     assert first[1].run_id == second[1].run_id  # the same W&B run, resumed
     assert second[2]["seeds"] == [1, 2, 3, 4] and len(comparison["rows"]) == 8
-    assert second[3]["bf16/seeds"] == 4
+    assert second[3]["bf16/seeds"] == 4 and "bf16/no_ratio_reason" not in second[3]  # removed
     scalars, _ = tensorboard_figures()  # rewritten, not appended
     assert scalars["bf16/speedup"] == pytest.approx(
         comparison["vs_fp32"]["bf16"]["speedup"]["mean"], rel=1e-6
@@ -572,7 +619,7 @@ def test_pairs_run_resume_and_compare_end_to_end(tmp_path, headless_bert):
     assert comparison["vs_fp32"]["bf16"]["speedup"]["values"] == pytest.approx(speedups)
     assert (output_dir / "comparison.md").read_text() in first.stdout
     assert (output_dir / "comparison.png").stat().st_size > 10_000
-    assert "W&B report built, not saved (WANDB_MODE is offline)" in first.stdout
+    assert "W&B report built, not saved (W&B is offline)" in first.stdout
     # W&B: one offline run per arm x seed, in the pair's group, job type = arm, tagged, seed in config;
     # and the pair's comparison run, whose figures are comparison.json's.
     group = comparison["group"]
