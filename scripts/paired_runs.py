@@ -42,6 +42,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 REPO_SCRIPTS = Path(__file__).resolve().parent
+NO_WORKSPACES = (
+    "--wandb_report needs the wandb-workspaces package: pip install wandb-workspaces "
+    "(or pip install -e '.[report]')."
+)
 ARM_PRECISION = {
     "fp32": "no",
     "fp16": "fp16",
@@ -129,6 +133,7 @@ def parse_args(argv=None):
     args.seeds = parse_seeds(parser, args.seeds)
     args.arms = parse_arms(parser, args.arms)
     args.output_dir = Path(args.output_dir or Path("pairs") / args.recipe_name)
+    args.wandb_entity = args.wandb_entity or os.environ.get("WANDB_ENTITY")  # None: your default entity
     if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
         parser.error(f"--memory_budget_gb must be positive, not {args.memory_budget_gb}.")
     args.recipe_defaults = check_recipe_args(parser, args)
@@ -183,10 +188,7 @@ def check_before_runs(parser, args) -> None:
     if args.wandb_report and "wandb" not in args.trackers:
         parser.error("--wandb_report needs the runs in W&B: pass --report_to wandb (or all) for the recipe.")
     if args.wandb_report and importlib.util.find_spec("wandb_workspaces") is None:
-        parser.error(
-            "--wandb_report needs the wandb-workspaces package: pip install wandb-workspaces "
-            "(or pip install -e '.[report]')."
-        )
+        parser.error(NO_WORKSPACES)
     searched = (args.output_dir / "headroom" / "results.json").is_file()  # reused, not searched again
     if args.headroom and not args.memory_budget_gb and not searched:
         import torch
@@ -207,7 +209,7 @@ def check_before_runs(parser, args) -> None:
             )
         print(
             f"W&B: {mode}; project {args.recipe_defaults['project_name']}, entity "
-            f"{args.wandb_entity or os.environ.get('WANDB_ENTITY') or 'your default'}.",
+            f"{args.wandb_entity or 'your default'}.",
             flush=True,
         )
 
@@ -382,7 +384,7 @@ def check_pair_config(args) -> None:
         "accelerate_config": args.accelerate_config,
         "group": args.group,
         # The comparison run's id is only that entity's: another entity would make a second run.
-        "wandb_entity": args.wandb_entity or os.environ.get("WANDB_ENTITY"),
+        "wandb_entity": args.wandb_entity,
     }
     if before:
         changed = [key for key in config if before.get(key) != config[key]]
@@ -763,7 +765,7 @@ def log_to_wandb(args, comparison: dict, png: Path) -> str:
     }
     run = wandb.init(
         project=args.recipe_defaults["project_name"],
-        entity=args.wandb_entity,  # None: WANDB_ENTITY, else the default entity, as for the runs
+        entity=args.wandb_entity,  # None: the default entity, as for the runs
         group=comparison["group"],
         job_type="comparison",
         name=f"{comparison['group']}-comparison",
@@ -776,11 +778,9 @@ def log_to_wandb(args, comparison: dict, png: Path) -> str:
         run.log({"runs": table, "comparison": wandb.Image(str(png))})
         # A resumed run keeps its old summary: a figure this comparison no longer has (an arm's
         # no_ratio_reason once it ran, a headroom since dropped) must not stand beside the new ones.
-        for key in [
-            key for key in run.summary.keys() if key not in summary and key not in ("runs", "comparison")
-        ]:
-            if not key.startswith("_"):
-                del run.summary[key]
+        logged = {*summary, "runs", "comparison"}
+        for key in [key for key in run.summary.keys() if key not in logged and not key.startswith("_")]:
+            del run.summary[key]
         run.summary.update(summary)
     finally:
         run.finish()
@@ -814,10 +814,7 @@ def build_report(comparison: dict, project: str, entity: str | None):
     try:
         import wandb_workspaces.reports.v2 as wr
     except ImportError:
-        raise SystemExit(
-            "error: --wandb_report needs the wandb-workspaces package: pip install wandb-workspaces "
-            "(or pip install -e '.[report]')."
-        ) from None
+        raise SystemExit(f"error: {NO_WORKSPACES}") from None
     group = comparison["group"]
     where = {"project": project, **({"entity": entity} if entity else {})}
     verdict_runs = wr.Runset(
@@ -863,7 +860,7 @@ def build_report(comparison: dict, project: str, entity: str | None):
 def wandb_report(args, comparison: dict) -> str:
     project = args.recipe_defaults.get("project_name") or "amp-recipes"
     offline = wandb_mode() in ("offline", "disabled")
-    entity = args.wandb_entity or os.environ.get("WANDB_ENTITY") or ("offline" if offline else None)
+    entity = args.wandb_entity or ("offline" if offline else None)
     report = build_report(comparison, project, entity)
     if offline:
         return (
@@ -897,16 +894,17 @@ def main(argv=None) -> dict:
     comparison["headroom"] = headroom
     from amp_recipes.records import write_json_atomic
 
-    write_json_atomic(args.output_dir / "comparison.json", json_safe(comparison))
+    plain = json_safe(comparison)  # comparison.json, and what the trackers get: NaN as null
+    write_json_atomic(args.output_dir / "comparison.json", plain)
     table = markdown(comparison, headroom)
     (args.output_dir / "comparison.md").write_text(table)
     plot(comparison, args.output_dir / "comparison.png")
     print(table)
     print(f"Wrote {args.output_dir}/comparison.md, comparison.json and comparison.png")
     if "wandb" in args.trackers and wandb_mode() != "disabled":
-        print(log_to_wandb(args, json_safe(comparison), args.output_dir / "comparison.png"))
+        print(log_to_wandb(args, plain, args.output_dir / "comparison.png"))
     if "tensorboard" in args.trackers:
-        print(log_to_tensorboard(args, json_safe(comparison), table))
+        print(log_to_tensorboard(args, plain, table))
     if args.wandb_report:
         print(wandb_report(args, comparison))
     failed = [r for r in runs if r["status"] == "failed"]
