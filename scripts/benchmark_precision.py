@@ -9,7 +9,10 @@
 
 Each arm, and each trial of the batch-size search, runs in its own fresh process (accelerate's
 state is a per-process singleton, and peak memory must not carry over), with the same seed, the
-same initial weights and the same batches. Default workload: the exact BERT-base architecture
+same initial weights and the same batches. `--in_process` runs them all in this process instead,
+seconds faster per trial on a GPU: accelerate's state is reset and the allocator's peak restarted
+(`torch.cuda.reset_peak_memory_stats` after `empty_cache`) before each trial, and the search
+catches `torch.cuda.OutOfMemoryError` the way accelerate's `find_executable_batch_size` does. Default workload: the exact BERT-base architecture
 (`BertConfig()` defaults are bert-base-uncased's) with random weights, on synthetic token
 batches, so nothing is downloaded; `--head` picks what the recipes train on top of it: a
 sentence classifier (bert_glue.py), a tagger with a label per token (bert_ner.py), or the
@@ -20,8 +23,11 @@ the hardware/software record), results.md and results.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -99,8 +105,16 @@ def parse_args(argv=None):
     parser.add_argument(
         "--time_limit_s",
         type=float,
-        help="Start no trial after this many seconds: the arms not timed yet are recorded as not run, a "
-        "search in progress keeps its largest fit as a lower bound (≥), and results.json is written.",
+        help="Start no trial that would end past this many seconds (judged by the longest trial so far): "
+        "the arms not timed yet are recorded as not run, a search in progress keeps its largest fit as a "
+        "lower bound (≥). results.json is rewritten after every arm in any case.",
+    )
+    parser.add_argument(
+        "--in_process",
+        action="store_true",
+        help="Every trial in this process (accelerate's state reset, the CUDA peak restarted, an OOM "
+        "caught) instead of a fresh process each: faster on a GPU. On a CPU the peak is the process's "
+        "resident set, restarted through /proc/self/clear_refs (Linux).",
     )
     parser.add_argument("--output_dir", help="Default: bench_results/<bench_id>.")
     parser.add_argument("--bench_id", default=time.strftime("bench-%Y%m%d-%H%M%S"))
@@ -128,6 +142,7 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1.")
     args.output_dir = args.output_dir or os.path.join("bench_results", args.bench_id)
+    args.started, args.longest_trial_s = time.monotonic(), 0.0  # --time_limit_s's clock
     return args
 
 
@@ -136,6 +151,40 @@ def current_rss_bytes() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def start_memory_window(device) -> int:
+    """Restart the peak-memory reading before a trial; returns the baseline a CPU's figures subtract
+    (what the process held before the trial: interpreter, libraries). On a GPU the allocator's own
+    peak restarts, after the cached blocks of an earlier trial are released."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return 0
+    with contextlib.suppress(OSError, AttributeError):  # glibc: freed heap pages back to the system
+        ctypes.CDLL(None).malloc_trim(0)
+    with contextlib.suppress(OSError):  # Linux: "5" resets the process's peak resident set (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
+    return current_rss_bytes()
+
+
+def peak_memory_since_window(device) -> int:
+    """The CUDA allocator's peak, or on a CPU the peak resident set (VmHWM where Linux has it)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    with contextlib.suppress(OSError, AttributeError):
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+    from amp_recipes.meters import peak_memory_bytes
+
+    return peak_memory_bytes(device)
 
 
 def build_model(config: dict):
@@ -232,8 +281,14 @@ def run_worker(spec_path: str) -> None:
     from amp_recipes.hardware import die_with_parent
 
     die_with_parent(spec["parent_pid"])  # a benchmark killed mid-trial takes its trial along
-    config, arm, batch_size = spec["config"], spec["arm"], spec["batch_size"]
-    rss_at_start = current_rss_bytes()
+    result = measure(
+        spec["config"], spec["arm"], spec["batch_size"], spec["warmup_steps"], spec["timed_steps"]
+    )
+    Path(spec["result_path"]).write_text(json.dumps(result))
+
+
+def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) -> dict:
+    """One arm at one batch size: `warmup_steps` untimed steps, then `timed_steps` timed ones."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -260,13 +315,15 @@ def run_worker(spec_path: str) -> None:
     compiled = CompileMonitor(compile_flags.torch_compile)
     device = accelerator.device
     budget = config["memory_budget_gb"] and int(config["memory_budget_gb"] * 2**30)
-    if budget and device.type == "cuda":  # emulate a smaller GPU: allocations past it raise OOM
+    if device.type == "cuda":  # emulate a smaller GPU: allocations past the budget raise OOM
         index = cuda_index(device)
         total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+        # Set on every trial: under --in_process an earlier series' budget would otherwise stay.
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total) if budget else 1.0, index)
+    baseline = start_memory_window(device)
     set_seed(config["seed"])  # same initial weights in every arm
     model = build_model(config)
-    steps = spec["warmup_steps"] + spec["timed_steps"]
+    steps = warmup_steps + timed_steps
     batches = make_batches(config, model.config, batch_size, steps)
     # The recipes' own optimizer (fused AdamW where torch has it, no decay on biases and norms).
     recipe_flags = argparse.Namespace(optim="auto", weight_decay=0.01, learning_rate=config["learning_rate"])
@@ -312,22 +369,19 @@ def run_worker(spec_path: str) -> None:
             synchronize()
             if index == 0:  # under torch.compile: the compilation, then the step
                 first_step_seconds = time.perf_counter() - started
-            if index >= spec["warmup_steps"]:
+            if index >= warmup_steps:
                 step_seconds.append(time.perf_counter() - started)
                 losses.append(loss.item())
         result["fits"] = True
-    except torch.OutOfMemoryError:
+    except RuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
         result["fits"] = False
         result["failure"] = "out of memory"
+    compile_report = compiled.report()  # stops listening to dynamo's log, whether the trial fit or not
+    result["peak_memory_bytes"] = peak_memory_since_window(device)  # on a CPU: the process's peak RSS
     if device.type == "cuda":
-        result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
         result["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
-        baseline = 0
-    else:
-        from amp_recipes.meters import peak_memory_bytes
-
-        result["peak_memory_bytes"] = peak_memory_bytes(device)  # peak RSS of this process
-        baseline = rss_at_start  # interpreter and libraries, before any tensor of the run
     if budget and result["peak_memory_bytes"] > budget:
         result["fits"], result["failure"] = False, "over the memory budget"
     if result["fits"] and step_seconds:
@@ -358,7 +412,7 @@ def run_worker(spec_path: str) -> None:
             first_step_seconds=first_step_seconds,
             # The first step's time beyond a steady step: compilation (+compile arms), else warm-up.
             compile_seconds=first_step_seconds - median if compile_flags.torch_compile else None,
-            **compiled.report(),
+            **compile_report,
             tokens_per_second=batch_size * config["seq_len"] / median,
             losses=losses,
             parameters=sum(p.numel() for p in unwrapped.parameters()),
@@ -371,7 +425,7 @@ def run_worker(spec_path: str) -> None:
                 config["seq_len"],
             ),
         )
-    Path(spec["result_path"]).write_text(json.dumps(result))
+    return result
 
 
 # =============================================================================== parent
@@ -379,11 +433,11 @@ class SearchStopped(Exception):
     """--time_limit_s reached during a max-batch search."""
 
 
-STARTED = time.monotonic()
-
-
 def out_of_time(args) -> bool:
-    return args.time_limit_s is not None and time.monotonic() - STARTED > args.time_limit_s
+    """A trial as long as the longest so far would end past --time_limit_s."""
+    if args.time_limit_s is None:
+        return False
+    return time.monotonic() - args.started + args.longest_trial_s > args.time_limit_s
 
 
 class BenchmarkCrash(RuntimeError):
@@ -396,6 +450,62 @@ class BenchmarkCrash(RuntimeError):
 
 
 def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, work_dir: Path) -> dict:
+    """Run one arm at one batch size (in a fresh process, or with --in_process in this one)."""
+    started = time.monotonic()
+    try:
+        if args.in_process:
+            return trial_in_process(args, arm, batch_size, warmup_steps, timed_steps)
+        return trial_in_fresh_process(args, arm, batch_size, warmup_steps, timed_steps, work_dir)
+    finally:
+        args.longest_trial_s = max(args.longest_trial_s, time.monotonic() - started)
+
+
+def trial_in_process(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) -> dict:
+    """One trial in this process. accelerate keeps one state per process (precision, device,
+    plugins) and refuses an Accelerator with other settings once it exists: it is reset before each
+    trial, as accelerate's own test suite does between tests; dynamo's graphs of the last compiled
+    trial (which hold its model) are dropped. An OOM anywhere in the trial means "does not fit",
+    and the memory is released before the next one."""
+    import traceback
+
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch._dynamo.reset()
+    config = {k: v for k, v in vars(args).items() if k != "arms"}
+    # As in a fresh trial, the arm decides precision and compilation: `accelerate launch` exports
+    # ACCELERATE_MIXED_PRECISION and ACCELERATE_DYNAMO_*, which every Accelerator would read.
+    launched = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("ACCELERATE_")}
+    try:
+        return measure(config, arm, batch_size, warmup_steps, timed_steps)
+    except Exception as error:
+        if is_out_of_memory(error):  # in the model's build or accelerate's prepare
+            return {"arm": arm, "batch_size": batch_size, "fits": False, "failure": "out of memory"}
+        # A bug or a bad setting: loud, never "does not fit".
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        tail = "\n".join(traceback.format_exc().strip().splitlines()[-5:])
+        message = f"the {arm} arm crashed at batch {batch_size}: {type(error).__name__}: {first_line}"
+        raise BenchmarkCrash(message, tail) from None
+    finally:
+        os.environ.update(launched)
+        start_memory_window(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A trial that does not fit: torch's OutOfMemoryError, or what accelerate's
+    find_executable_batch_size also reads as one (a raw CUDA allocation failure in a library's
+    kernel is a RuntimeError whose message says " out of memory.")."""
+    import torch
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    return isinstance(error, torch.OutOfMemoryError) or should_reduce_batch_size(error)
+
+
+def trial_in_fresh_process(
+    args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, work_dir: Path
+) -> dict:
     """Run one arm at one batch size in a fresh Python process and return its JSON."""
     name = f"{arm}-bs{batch_size}-{timed_steps}"
     spec_path, result_path = work_dir / f"{name}.spec.json", work_dir / f"{name}.result.json"
@@ -444,9 +554,9 @@ def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, 
 def search_max_batch(args, arm: str, work_dir: Path) -> dict:
     """Largest batch that fits: double from --search_start until a trial does not fit, then bisect.
 
-    accelerate's find_executable_batch_size only searches downward inside one process (halving
-    after an OOM), where the caching allocator's history distorts peaks; a headroom figure needs
-    an upward search with a fresh process per trial.
+    Upward, unlike accelerate's find_executable_batch_size (which halves a batch until it stops
+    raising OOM): the headroom is the largest batch that fits. Each trial starts from a released
+    allocator and a restarted peak, in a fresh process or (--in_process) in this one.
     """
     trials = []
 
@@ -658,11 +768,14 @@ def report_to_wandb(args, results: dict, hardware: dict) -> None:
         tracker.finish()
 
 
-def run_arms(args, hardware: dict, work_dir: Path, search_note: str | None) -> dict:
+def run_arms(args, hardware: dict, work_dir: Path, search_note: str | None, after_arm=None) -> dict:
     """Time each arm, then search its largest batch. An arm whose trial crashed is recorded with
-    its error (`crashed`), never as "does not fit", and the others' figures are kept."""
+    its error (`crashed`), never as "does not fit", and the others' figures are kept.
+    `after_arm(results)` is called after each arm (the report, rewritten)."""
     results = {}
     for arm in args.arms:
+        if results and after_arm:
+            after_arm(results)
         if out_of_time(args):
             print(f"[{arm}] not run: --time_limit_s {args.time_limit_s:.0f} reached", flush=True)
             results[arm] = {"arm": arm, "batch_size": args.batch_size, "fits": False, "not_run": "time limit"}
@@ -711,7 +824,7 @@ def main(argv=None) -> dict:
             "error: run the benchmark as one process (each arm starts its own); drop --num_processes/--multi_gpu."
         )
     from amp_recipes.hardware import hardware_record
-    from amp_recipes.records import write_json_atomic
+    from amp_recipes.records import write_json_atomic, write_text_atomic
 
     output_dir = Path(args.output_dir)
     work_dir = output_dir / "trials"
@@ -728,24 +841,29 @@ def main(argv=None) -> dict:
     if not args.no_search and hardware["device_type"] == "cpu" and not args.memory_budget_gb:
         search_note = "max batch size not measured: on a CPU the search needs --memory_budget_gb"
 
-    results = run_arms(args, hardware, work_dir, search_note)
-    compare(results)
-    table = markdown_table(results)
-    if search_note:
-        table += f"\n{search_note}\n"
-    payload = {
-        "bench_id": args.bench_id,
-        "config": {k: v for k, v in vars(args).items() if k != "worker"},
-        "hardware": hardware,
-        "arms": results,
-        "search_note": search_note,
-    }
-    write_json_atomic(output_dir / "results.json", payload)
-    (output_dir / "results.md").write_text(
-        f"# {args.bench_id}\n\n{hardware['device_name']}, torch {hardware['torch']}, {args.head} head, "
-        f"seq_len {args.seq_len}, "
-        f"batch {args.batch_size}\n\n{table}"
-    )
+    def report(results: dict, complete: bool = False) -> tuple[dict, str]:
+        """results.json and results.md, rewritten after every arm: a benchmark stopped half-way
+        (killed, or past a deadline) keeps the arms it finished."""
+        compare(results)
+        table = markdown_table(results) + (f"\n{search_note}\n" if search_note else "")
+        payload = {
+            "bench_id": args.bench_id,
+            "config": {k: v for k, v in vars(args).items() if k != "worker"},
+            "hardware": hardware,
+            "arms": results,
+            "search_note": search_note,
+            "complete": complete,
+        }
+        write_json_atomic(output_dir / "results.json", payload)
+        write_text_atomic(
+            output_dir / "results.md",
+            f"# {args.bench_id}\n\n{hardware['device_name']}, torch {hardware['torch']}, {args.head} head, "
+            f"seq_len {args.seq_len}, batch {args.batch_size}\n\n{table}",
+        )
+        return payload, table
+
+    results = run_arms(args, hardware, work_dir, search_note, after_arm=report)
+    payload, table = report(results, complete=True)
     plot(results, output_dir / "results.png")
     if args.report_to == "wandb":
         report_to_wandb(args, results, hardware)

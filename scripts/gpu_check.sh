@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# bash scripts/gpu_check.sh [--dry_run] [--output_dir DIR] [--steps ...] [--budget_s S]
+# bash scripts/gpu_check.sh [--output_dir DIR] [--budget_s S] [--steps ...] [--dry_run]
 #
-# One-shot GPU validation (see scripts/gpu_check.py for the plan). A GPU image may lack
-# datasets/evaluate, and torchao (the fp8 step): wheels fetched beforehand by
-# scripts/fetch_gpu_wheels.sh into .whl/ are installed into a private folder, each only where the
-# image lacks the package, never over the image's own packages.
+# The GPU check (scripts/gpu_check.py says what it runs) from a checkout, without `pip install`.
+# On a GPU machine without network, the packages it lacks (often datasets and evaluate, and torchao
+# for fp8) can come as wheels fetched elsewhere by scripts/fetch_gpu_wheels.sh into .whl/: each
+# wheel whose package the machine does not have is installed into a private folder; a package the
+# machine has is never shadowed, so its own torch, transformers and pyarrow stay the ones in use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shopt -s nullglob
@@ -13,21 +14,17 @@ export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s.%N)}"  # the check's b
 PYTHON="${PYTHON:-python3}"  # the interpreter that has torch
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # amp_recipes without `pip install -e .`
 wheels=()
-if ! "$PYTHON" -c "import datasets, evaluate" 2>/dev/null; then
-    for wheel in .whl/*.whl; do
-        [[ "$(basename "$wheel")" == torchao-* ]] || wheels+=("$wheel")
-    done
-    if [ ${#wheels[@]} -eq 0 ]; then
-        echo "error: datasets/evaluate are not installed; run scripts/fetch_gpu_wheels.sh where pip works, carry .whl/" >&2
-        exit 1
+for wheel in .whl/*.whl; do
+    # A wheel's file name starts with its distribution's name ("_" for "-"): installed already?
+    name=$(basename "$wheel" | cut -d- -f1)
+    if ! "$PYTHON" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$name" 2>/dev/null; then
+        wheels+=("$wheel")
     fi
-fi
-if ! "$PYTHON" -c "import torchao" 2>/dev/null; then
-    wheels+=(.whl/torchao-*.whl)  # none carried: the fp8 step says torchao is missing and is not run
-fi
+done
 if [ ${#wheels[@]} -gt 0 ]; then
     site=$(mktemp -d /tmp/amp-site.XXXXXX)
+    echo "installing what this machine lacks, from .whl/: ${wheels[*]##*/}"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" "${wheels[@]}"
-    export PYTHONPATH="$PYTHONPATH:$site"
+    export PYTHONPATH="$PYTHONPATH:$site"  # holds only packages the machine lacks: nothing to shadow
 fi
 exec "$PYTHON" scripts/gpu_check.py "$@"

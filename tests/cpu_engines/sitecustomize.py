@@ -11,6 +11,7 @@ other setting are accelerate's own (tests/recipes/test_engines.py compares accel
 with and without it)."""
 
 import os
+from pathlib import Path
 
 
 def lift_gpu_gates(setattr=setattr):
@@ -47,17 +48,19 @@ def lift_gpu_gates(setattr=setattr):
     setattr(state.AcceleratorState, "__init__", init)
 
 
-def run_the_next_sitecustomize() -> None:
-    """Python imports only the first sitecustomize on its path: a later one (the fp8 emulation's,
-    for an FSDP2 + fp8 run) runs from here."""
+def run_the_next_sitecustomize(here: Path | None = None) -> None:
+    """Python imports only the first sitecustomize on its path: the next one after `here` (this
+    folder) on the path runs from here (the fp8 emulation's, for an FSDP2 + fp8 run). tests/
+    process_census chains through this too."""
     import importlib.util
     import sys
-    from pathlib import Path
 
-    here = Path(__file__).resolve().parent
-    for folder in sys.path:
-        candidate = Path(folder or ".").resolve() / "sitecustomize.py"
-        if candidate.parent != here and candidate.is_file():
+    here = here.resolve() if here else Path(__file__).resolve().parent
+    folders = [Path(folder or ".").resolve() for folder in sys.path]
+    after = folders[folders.index(here) + 1 :] if here in folders else folders
+    for folder in after:
+        candidate = folder / "sitecustomize.py"
+        if folder != here and candidate.is_file():
             spec = importlib.util.spec_from_file_location("sitecustomize", candidate)
             spec.loader.exec_module(importlib.util.module_from_spec(spec))
             return

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, load_module, run
+from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, load_module, reset_accelerate, run
 from wandb_offline import offline_run
 
 pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
@@ -98,6 +98,42 @@ def test_each_arm_and_trial_ran_in_its_own_process(benchmark):
     payload, *_ = benchmark
     pids = [result["pid"] for result in payload["arms"].values()]
     assert len(set(pids)) == 3 and os.getpid() not in pids
+
+
+def test_in_process_trials_run_here_and_an_out_of_memory_error_means_does_not_fit(benchmark, monkeypatch):
+    """--in_process, the GPU check's way: every arm and trial in this one process, accelerate's state
+    reset between them (fp32, then bf16: accelerate refuses an Accelerator of another precision in
+    a process that has one), with the fixture's fresh-process losses. CUDA's out-of-memory error,
+    which a CPU never raises, is raised where a GPU would raise it, from the trials past batch 96:
+    the search reads it as "does not fit" and brackets the edge (accelerate's
+    find_executable_batch_size catches the same error), and the next trial runs."""
+    fresh, _, _, tmp_path = benchmark
+    script = load_module(SCRIPT)
+    real_measure = script.measure
+
+    def measure(config, arm, batch_size, warmup_steps, timed_steps):
+        if batch_size > 96:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_measure(config, arm, batch_size, warmup_steps, timed_steps)
+
+    monkeypatch.setattr(script, "measure", measure)
+    flags = ["--config_name", TINY_BERT, "--arms", "fp32,bf16", "--seq_len", 64, "--batch_size", 4]
+    flags += ["--warmup_steps", 1, "--timed_steps", 3, "--memory_budget_gb", 20, "--search_start", 32]
+    flags += ["--search_granularity", 32, "--search_max", 512, "--in_process"]
+    try:
+        payload = script.main([*map(str, flags), "--output_dir", str(tmp_path / "in-process")])
+    finally:
+        reset_accelerate()
+    assert payload["complete"] and list(payload["arms"]) == ["fp32", "bf16"]
+    for arm, result in payload["arms"].items():
+        assert result["pid"] == os.getpid() and result["precision_in_effect"] == arm
+        assert result["losses"] == pytest.approx(fresh["arms"][arm]["losses"], rel=1e-4), arm
+        assert [t["batch_size"] for t in result["trials"]] == [32, 64, 128, 96]
+        assert (result["max_batch_size"], result["first_batch_not_fitting"]) == (96, 128)
+        assert [t["failure"] for t in result["trials"] if not t["fits"]] == ["out of memory"]
+    # What else reads as "does not fit": what accelerate's find_executable_batch_size reads so.
+    assert script.is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert not script.is_out_of_memory(RuntimeError("expected scalar type Half but found Float"))
 
 
 def test_headroom_search_finds_the_edge_of_the_budget(benchmark):

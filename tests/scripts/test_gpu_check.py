@@ -1,4 +1,5 @@
-"""scripts/gpu_check.sh --dry_run: the whole GPU plan rehearsed on CPU with the tiny model."""
+"""scripts/gpu_check.sh --dry_run: the whole GPU plan rehearsed on CPU with the tiny model, with its
+process count, its deadlines, its verdict, its agreement criterion and its cleanup."""
 
 import json
 import os
@@ -10,256 +11,319 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, fp8_env, load_module, offline_env, run
+import torch
+from conftest import (
+    FP8_EMULATION,
+    REPO,
+    Fp16OnCpu,
+    engine_env,
+    load_module,
+    load_recipe,
+    offline_env,
+    reset_accelerate,
+    run,
+    train,
+)
 
 pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
+
+CENSUS = REPO / "tests" / "process_census"  # on PYTHONPATH: every Python process writes a line
 
 
 def check_command(out, *flags):
     return ["bash", REPO / "scripts" / "gpu_check.sh", "--dry_run", "--output_dir", out, *flags]
 
 
-def assert_output_fits_what_comes_back(out):
-    """At most 8 files, none in a folder, each under 16 MiB: what the GPU machine returns."""
-    entries = list(out.iterdir())
-    assert all(entry.is_file() for entry in entries), entries
-    assert len(entries) <= 8 and all(entry.stat().st_size < 16 * 2**20 for entry in entries)
-
-
-def test_gpu_check_dry_run(tmp_path):
-    out = tmp_path / "check"
-    result = run(
-        check_command(out),
-        tmp_path,
-        timeout=900,
-        PYTHON=sys.executable,
-        **fp8_env(),  # the fp8 step emulated on this CPU (tests/fp8_emulation); refused without it
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["dry_run"] and summary["ok"]
-    assert summary["checks"] == {
-        "every_step_finished_in_time": True,
-        "gpu_tests_passed": True,  # on a CPU: every gpu test skipped, none failed
-        "overflow_step_skipped": None,  # needs CUDA
-        "every_arm_ran_its_precision": True,
-        "fp16_fine_tune_ran_fp16": True,  # on a CPU: the fp32 accelerate really runs
-        "bf16_fine_tune_ran_bf16": True,
-        "fp16_loss_agrees_with_fp32": True,
-        "fp16_model_reloads_to_its_scores": True,
-        "fp8_arms_ran_fp8": True,  # emulated: accepted in the dry run only
-    }
-    # In order of value, all inside the budget.
-    assert list(summary["steps"]) == [
-        *("gpu_tests", "finetune_fp32", "finetune_fp16", "finetune_bf16", "reload_fp16"),
-        *("benchmark", "fp8_seq32", "compiled"),
-    ]
-    assert not any(step["timed_out"] for step in summary["steps"].values())
-    assert summary["seconds"] <= summary["budget_s"]
-    tests = summary["steps"]["gpu_tests"]
-    assert (
-        tests["tests"] >= 6 and tests["skipped"] == tests["tests"]
-    )  # no CUDA here: all skipped, none failed
-    assert list(summary["benchmark"]["arms"]) == ["fp32", "bf16"]
-    for arm in ("fp32", "fp16", "bf16"):
-        assert summary[f"finetune_{arm}"]["train_steps"] == 4
-    assert summary["finetune_fp16"]["precision_in_effect"] == "fp32"  # a CPU: accelerate's fp16 is a no-op
-    fp16_scores = {k: v for k, v in summary["finetune_fp16"].items() if k.startswith("eval_")}
-    assert summary["reload_fp16"] == fp16_scores and fp16_scores["eval_samples"] == 32
-    agreement = summary["loss_agreement"]
-    assert agreement["steps"] == 4 and agreement["max_relative_difference"] < 1e-3
-    assert summary["loss_agreement_bf16"]["steps"] == 4
-    assert summary["compiled"]["arms"]["fp32+compile"]["fits"]
-    # Everything directly in --output_dir: the summary, the log of every step, pytest's report, the chart.
-    assert sorted(p.name for p in out.iterdir()) == [
-        "benchmark.png",
-        "check.log",
-        "pytest.xml",
-        "summary.json",
-        "summary.md",
-    ]
-    assert_output_fits_what_comes_back(out)
-    assert "== reload_fp16 (limit" in (out / "check.log").read_text()
-    text = (out / "summary.md").read_text()
-    assert result.stdout.rstrip().endswith(text.rstrip())
-    assert "| gpu_tests | 0 |" in text and "## Paired benchmark" in text and "| bf16 | bf16 |" in text
-    assert "**ok**: every_step_finished_in_time yes" in text and "## Compiled arms" in text
-    for seq_len in ("32",):  # the GPU plan's two lengths (128, 384): one in the dry run
-        arms = summary["fp8"]["by_seq_len"][seq_len]["arms"]
-        assert list(arms) == ["fp32", "bf16", "fp8"] and arms["fp8"]["fp8_linear_layers"] == 12
-        assert f"## fp8 benchmark, seq {seq_len}" in text
-    # 2 layers x 6 Linear layers of width 32/64, the pooler and the classifier: all but the first
-    # (layer 0's query) and the last (the classifier, 32 -> 2) run in fp8.
-    assert arms["fp8"]["linear_layers"] == 14 and arms["fp8"]["no_ratio_reason"].startswith(
-        "fp8 was emulated"
-    )
-
-
-def test_the_h200_plan_fits_its_420_seconds():
-    gpu_check = load_gpu_check()
-    assert gpu_check.BUDGET_S[False] == 420
-    assert sum(gpu_check.LIMITS[False].values()) + gpu_check.STARTUP_S <= 420
-    # every step of the plan has a limit, on the GPU and in the dry run
-    for dry_run in (False, True):
-        names = {"gpu_tests", "benchmark", "compiled", "reload_fp16"}
-        names |= {f"finetune_{arm}" for arm in ("fp32", "fp16", "bf16")}
-        names |= {f"fp8_seq{n}" for n in gpu_check.FP8_SEQ_LENS[dry_run]}
-        assert set(gpu_check.LIMITS[dry_run]) == names
-
-
-def test_a_step_that_does_not_fit_the_budget_is_not_started():
-    budget = load_gpu_check().Budget(100, started=0.0, clock=lambda: 70.0)
-    assert budget.refusal(30) is None
-    assert budget.refusal(40) == "budget: needs 40 s, 30 s left"
-
-
-def test_a_check_out_of_budget_records_its_steps_as_not_run(tmp_path):
-    out = tmp_path / "check"
-    result = run(check_command(out, "--steps", "finetune", "--budget_s", 30), tmp_path, PYTHON=sys.executable)
-    assert result.returncode == 1  # nothing measured: not ok
-    summary = json.loads((out / "summary.json").read_text())
-    assert list(summary["steps"]) == ["finetune_fp32", "finetune_fp16", "finetune_bf16"]
-    assert all(step["not_run"].startswith("budget: needs 60 s, ") for step in summary["steps"].values())
-    assert summary["checks"]["fp16_fine_tune_ran_fp16"] is False and not summary["ok"]
-    assert "| finetune_fp32 | not run: budget: needs 60 s," in (out / "summary.md").read_text()
-
-
-def tagged_processes(tag: str) -> list[int]:
-    """PIDs whose environment carries GPU_CHECK_TEST=<tag> (zombies excluded)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and f"GPU_CHECK_TEST={tag}".encode() in (entry / "environ").read_bytes():
-                if not (entry / "stat").read_text().split(") ")[1].startswith("Z"):
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def test_a_check_killed_at_any_moment_leaves_a_readable_summary_and_no_process(tmp_path):
-    """Killed at random moments, as a machine's time limit would (SIGKILL, which no handler sees,
-    and SIGTERM); the moments are printed so that a failure can be replayed."""
-    rng = random.Random()
-    for attempt, signum in enumerate((signal.SIGKILL, signal.SIGTERM)):
-        out, tag = tmp_path / f"check{attempt}", f"{tmp_path}-{attempt}"
-        moment = rng.uniform(4, 45)  # set-up, the tests, the fine-tunes, the benchmark starting
-        print(f"attempt {attempt}: {signum.name} after {moment:.1f} s")
-        env = offline_env(tmp_path, PYTHON=sys.executable, GPU_CHECK_TEST=tag, **fp8_env())
-        process = subprocess.Popen(
-            [str(c) for c in check_command(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL
-        )
-        try:
-            process.wait(timeout=moment)
-        except subprocess.TimeoutExpired:
-            process.send_signal(signum)  # the check's own process (gpu_check.sh execs it)
-            process.wait(timeout=60)
-        deadline = time.monotonic() + 15
-        while tagged_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        leftovers = tagged_processes(tag)
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        assert not leftovers, (
-            f"attempt {attempt}: processes outlived the check ({signum.name} at {moment:.1f} s)"
-        )
-        if not (out / "summary.json").exists():
-            assert not (out / "check.log").exists()  # killed before any step started
-            continue
-        assert_output_fits_what_comes_back(out)
-        summary = json.loads((out / "summary.json").read_text())  # whole, never half-written
-        assert (out / "summary.md").read_text().startswith("# GPU check (dry run, CPU)")
-        for name, step in summary["steps"].items():
-            if step.get("exit_code") == 0 and name.startswith("finetune_"):
-                assert summary[name]["train_steps"] == 4, (name, moment)
-            if step.get("exit_code") == 0 and name == "gpu_tests":
-                assert step["tests"] >= 6
+def dry_run_env(**extra) -> dict:
+    """The dry run's seams: FSDP2 on CPU processes (tests/cpu_engines) and fp8 emulated
+    (tests/fp8_emulation), with the process census first on the path."""
+    env = engine_env(FP8_EMULATION)
+    env["PYTHONPATH"] = os.pathsep.join([str(CENSUS), env["PYTHONPATH"]])
+    return {"PYTHON": sys.executable, **env, **extra}
 
 
 def load_gpu_check():
     return load_module(REPO / "scripts" / "gpu_check.py")
 
 
-def test_a_step_past_its_limit_is_killed_with_its_children_and_reported(tmp_path):
-    gpu_check = load_gpu_check()
-    marker = tmp_path / "child-survived"
-    # A parent that waits on a child, as the benchmark waits on its trial processes.
-    command = ["bash", "-c", f"(sleep 3; touch {marker}) & wait"]
-    step = gpu_check.run_step("slow", command, tmp_path / "slow.log", dict(os.environ), timeout=1)
-    assert step["timed_out"] and step["seconds"] < 3
-    import time
-
-    time.sleep(3)
-    assert not marker.exists()  # the whole process group was killed
+def assert_output_fits_what_comes_back(out):
+    """At most 8 files, none in a folder, each under 16 MiB."""
+    entries = list(out.iterdir())
+    assert all(entry.is_file() for entry in entries), entries
+    assert len(entries) <= 8 and all(entry.stat().st_size < 16 * 2**20 for entry in entries)
 
 
-def test_checks_fail_on_figures_even_when_every_exit_code_is_zero():
-    gpu_check = load_gpu_check()
-    step = {"exit_code": 0, "timed_out": False}
+def roles(census: Path) -> list[str]:
+    """What each Python process of the check was, in start order."""
+    found = []
+    for line in census.read_text().splitlines():
+        command = line.split(" ", 2)[2]
+        if "--measure" in command:
+            found.append("benchmark")
+        elif "scripts/gpu_check.py" in command:
+            found.append("check")
+        elif "pytest" in command:
+            found.append("pytest")
+        elif "accelerate.commands.launch" in command:
+            found.append("launcher")
+        elif "bert_glue.py" in command:
+            found.append("reload" if "--eval_only" in command else "recipe")
+        else:
+            found.append(command)
+    return found
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out, census = tmp_path / "check", tmp_path / "census.txt"
+    result = run(check_command(out), tmp_path, timeout=900, **dry_run_env(AMP_PROCESS_CENSUS=str(census)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dry_run"] and summary["verdict"] == "ok" and summary["ok"]
+    assert summary["checks"] == {
+        "gpu_tests_passed": True,  # on a CPU: every gpu test skipped, none failed
+        "overflow_step_skipped": None,  # needs CUDA
+        "fp16_fine_tune_ran_fp16_with_a_loss_scale": True,  # on a CPU: accelerate's fp16 says fp32
+        "bf16_fine_tune_ran_bf16_under_fsdp2": True,
+        "fp16_loss_agrees_with_fp32": True,
+        "bf16_loss_agrees_with_fp32": True,
+        "fp16_model_reloads_to_its_scores": True,
+        "every_arm_ran_its_precision": True,
+        "fp8_arms_ran_fp8": True,  # emulated: accepted in the dry run only
+    }
+    assert summary["not_measured"] == {"overflow_step_skipped": "n/a"}
+    # The Python processes: on one GPU the FSDP2 fine-tune has one worker, here two (a CPU
+    # process group needs two), so the plan on a GPU starts one fewer.
+    started = roles(census)
+    assert sorted(started) == sorted(
+        ["check", "pytest", "recipe", "recipe", "launcher", "recipe", "recipe", "reload", "benchmark"]
+    ), started
+    assert len(started) - (2 - 1) == 8
+    assert list(summary["steps"]) == [
+        *("gpu_tests", "finetune_fp32", "finetune_fp16", "finetune_bf16", "reload_fp16", "benchmark"),
+    ]
+    assert all(step["status"] == "done" for step in summary["steps"].values())
+    assert summary["seconds"] <= summary["budget_s"]
+    shares = [step["share_s"] for step in summary["steps"].values()]
+    assert sum(step["seconds"] for step in summary["steps"].values()) <= summary["budget_s"]
+    assert shares[-1] > max(shares[:-1])  # the benchmark, last, takes what the others left
+    tests = summary["steps"]["gpu_tests"]
+    assert tests["tests"] >= 6 and tests["skipped"] == tests["tests"]  # no CUDA here
+    for arm in ("fp32", "fp16", "bf16"):
+        assert summary[f"finetune_{arm}"]["train_steps"] == 32
+    assert summary["finetune_bf16"]["distributed_type"] == "FSDP"
+    assert summary["finetune_bf16"]["checkpoints"] == ["checkpoint-32"]
+    fp16_scores = {k: v for k, v in summary["finetune_fp16"].items() if k.startswith("eval_")}
+    assert summary["reload_fp16"] == fp16_scores and fp16_scores["eval_samples"] == 32
+    agreement = summary["loss_agreement_fp16"]
+    assert agreement["steps"] == 32 and agreement["fp32_learned"] > 0.2  # the memorized examples
+    # A CPU's fp16 is fp32: the same losses but for rounding (fp16's batches are padded to a
+    # multiple of 8, so the kernels see other shapes).
+    assert agreement["difference"] < 1e-6
+    assert summary["loss_agreement_bf16"]["difference_of_learned"] < 0.25
+    benchmark = summary["benchmark"]
+    assert list(benchmark) == ["precisions", "fp8_long", "compiled"]
+    assert list(benchmark["precisions"]["arms"]) == ["fp32", "bf16", "fp8"]
+    assert benchmark["precisions"]["config"]["in_process"] and benchmark["precisions"]["complete"]
+    assert {arm["pid"] for series in benchmark.values() for arm in series["arms"].values()} == {
+        int(line.split()[0]) for line in census.read_text().splitlines() if "--measure" in line
+    }  # every arm of every series in the one benchmark process
+    assert benchmark["compiled"]["arms"]["fp32+compile"]["compiled_graphs"] >= 1
+    assert sorted(p.name for p in out.iterdir()) == [
+        *("benchmark.png", "check.log", "pytest.xml", "summary.json", "summary.md"),
+    ]
+    assert_output_fits_what_comes_back(out)
+    text = (out / "summary.md").read_text()
+    assert result.stdout.rstrip().endswith(text.rstrip())
+    assert "| gpu_tests | done |" in text and "## Paired benchmark" in text and "| bf16 | bf16 |" in text
+    assert "**ok**: gpu_tests_passed yes, overflow_step_skipped n/a" in text
+    assert "## fp8 at 32 tokens" in text and "## Compiled arms" in text
+
+
+def test_each_step_gets_its_weight_of_the_time_left():
+    budget = load_gpu_check().Budget(400, started=0.0, clock=lambda: 100.0)
+    assert budget.share(2, 10) == 60.0  # 300 s left, 2 of the 10 weights still to run
+    assert budget.share(6, 6) == 300.0  # the last step takes all that is left
+    assert load_gpu_check().Budget(10, started=0.0, clock=lambda: 20.0).share(1, 1) == 0.0
+
+
+def test_a_check_out_of_time_reads_partial_not_failed(tmp_path):
+    """A budget the fine-tunes cannot fit: each is stopped at its deadline (or not started), and the
+    check says "partial: time" (exit 3), never NOT OK, and no check reads NO."""
+    out = tmp_path / "check"
+    result = run(check_command(out, "--steps", "finetune", "--budget_s", 25), tmp_path, **dry_run_env())
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "partial: time" and not summary["ok"]
+    assert list(summary["steps"]) == ["finetune_fp32", "finetune_fp16", "finetune_bf16", "reload_fp16"]
+    assert {step["status"] for step in summary["steps"].values()} == {"partial: time"}
+    assert False not in summary["checks"].values()
+    assert summary["not_measured"]["fp16_loss_agrees_with_fp32"] == "partial: time"
+    assert summary["not_measured"]["gpu_tests_passed"] == "not asked"
+    text = (out / "summary.md").read_text()
+    assert "| finetune_fp32 | partial: time |" in text and "**partial: time**" in text
+
+
+def summary_of(gpu_check, **figures):
+    """A GPU check's summary as main() builds it, every step done, with `figures` over the good ones."""
+    done = {"status": "done", "exit_code": 0, "seconds": 1, "share_s": 10}
+    arm = {"fits": True, "precision_in_effect": "fp16"}
+    fp8 = {"fits": True, "precision_in_effect": "fp8", "fp8_linear_layers": 72, "fp8_emulated": False}
     summary = {
         "dry_run": False,
-        "planned_steps": ["gpu_tests", "benchmark", "finetune"],  # fp8: the test below
-        "steps": {name: step for name in ("gpu_tests", "benchmark", "finetune_fp32", "finetune_fp16")},
+        "planned_steps": list(gpu_check.STEPS),
+        "steps": {name: dict(done) for name in gpu_check.planned_steps(gpu_check.STEPS)},
         "overflow_test": "passed",
-        "benchmark": {
-            "arms": {a: {"precision_in_effect": a, "fits": True} for a in ("fp32", "tf32", "fp16", "bf16")}
-        },
-        "finetune_fp16": {"precision_in_effect": "fp16", "eval_accuracy": 0.8, "eval_samples": 256},
-        "finetune_bf16": {"precision_in_effect": "bf16"},
-        "reload_fp16": {"eval_accuracy": 0.8, "eval_samples": 256},
-        "loss_agreement": {"max_relative_difference": 0.01},
+        "finetune_fp16": {"precision_in_effect": "fp16", "loss_scales": [65536.0], "eval_accuracy": 0.7},
+        "finetune_bf16": {"precision_in_effect": "bf16", "distributed_type": "FSDP", "checkpoints": ["c"]},
+        "loss_agreement_fp16": {"agrees": True},
+        "loss_agreement_bf16": {"agrees": True},
+        "reload_fp16": {"eval_accuracy": 0.7},
+        "fp8_not_run": None,
+        "benchmark": {"precisions": {"arms": {"fp16": arm, "fp8": fp8}, "complete": True}},
     }
-    summary["steps"]["gpu_tests"] = {**step, "tests": 7, "failures": 0, "errors": 0, "skipped": 0}
-    checks = gpu_check.checks(summary)
-    assert checks.pop("fp8_arms_ran_fp8") is None and all(checks.values())  # fp8 not asked for
-    summary["benchmark"]["arms"]["fp16"]["precision_in_effect"] = "fp32"  # accelerate fell back
-    summary["loss_agreement"]["max_relative_difference"] = 0.2
-    summary["overflow_test"] = "skipped"
-    summary["reload_fp16"]["eval_accuracy"] = 0.5  # the saved model is not the one that was evaluated
-    failed = {name for name, value in gpu_check.checks(summary).items() if value is False}
-    assert failed == {
-        *("every_arm_ran_its_precision", "fp16_loss_agrees_with_fp32", "overflow_step_skipped"),
-        "fp16_model_reloads_to_its_scores",
-    }
-    summary["benchmark"]["arms"]["fp16"] = {
-        "fits": False,
-        "crashed": "the fp16 arm crashed at batch 32 (exit 1): ...",
-    }
-    assert gpu_check.checks(summary)["every_arm_ran_its_precision"] is False
+    summary["steps"]["gpu_tests"].update(tests=7, failures=0, errors=0, skipped=0)
+    summary.update(figures)
+    return summary
 
 
-def test_fp8_alone_and_fp8_where_it_cannot_run():
+def test_only_figures_that_are_wrong_make_the_check_not_ok():
     gpu_check = load_gpu_check()
-    step = {"exit_code": 0, "timed_out": False, "seconds": 60}
-    fp8_arm = {"fits": True, "precision_in_effect": "fp8", "fp8_linear_layers": 72, "fp8_emulated": False}
-    by_seq_len = {
-        str(n): {"arms": {"fp32": {}, "fp8": dict(fp8_arm), "fp8+compile": dict(fp8_arm)}} for n in (128, 384)
+    values, why = gpu_check.checks(summary_of(gpu_check))
+    assert all(values.values()) and not why
+    broken = summary_of(
+        gpu_check,
+        finetune_fp16={"precision_in_effect": "fp32", "loss_scales": [], "eval_accuracy": 0.7},  # a fallback
+        loss_agreement_bf16={"agrees": False},
+        reload_fp16={"eval_accuracy": 0.5},  # the saved model is not the one that was evaluated
+        overflow_test="skipped",
+    )
+    values, _ = gpu_check.checks(broken)
+    assert {name for name, value in values.items() if value is False} == {
+        *("fp16_fine_tune_ran_fp16_with_a_loss_scale", "bf16_loss_agrees_with_fp32"),
+        *("fp16_model_reloads_to_its_scores", "overflow_step_skipped"),
     }
-    summary = {
-        "dry_run": False,
-        "planned_steps": ["fp8"],
-        "steps": {"fp8_seq128": step, "fp8_seq384": step},
-        "fp8": {"not_run": None, "by_seq_len": by_seq_len},
-    }
-    checks = gpu_check.checks(summary)
-    assert checks.pop("every_step_finished_in_time") and checks.pop("fp8_arms_ran_fp8")
-    assert set(checks.values()) == {None}  # the steps not asked for are not failures
-    by_seq_len["384"]["arms"]["fp8+compile"]["fp8_emulated"] = True  # emulated is no fp8 on a GPU
-    assert gpu_check.checks(summary)["fp8_arms_ran_fp8"] is False
-    del by_seq_len["384"]  # a length that never finished
-    by_seq_len["128"]["arms"]["fp8"]["fp8_emulated"] = by_seq_len["128"]["arms"]["fp8+compile"][
-        "fp8_emulated"
-    ] = False
-    assert gpu_check.checks(summary)["fp8_arms_ran_fp8"] is False
-    summary["fp8"] = {
-        "not_run": "fp8 was asked on NVIDIA A100 (compute capability 8.0), ...",
-        "by_seq_len": {},
-    }
-    assert gpu_check.checks(summary)["fp8_arms_ran_fp8"] is None
-    summary.update(date="now", device="A100", ok=True, checks=gpu_check.checks(summary))
-    summary.update(budget_s=420, tables={})
-    text = gpu_check.summary_markdown(summary)
+    assert gpu_check.verdict(values, {}, broken["steps"]) == "NOT OK"
+    crashed = summary_of(gpu_check)
+    crashed["benchmark"]["precisions"]["arms"]["fp16"] = {"fits": False, "crashed": "the fp16 arm crashed"}
+    assert gpu_check.checks(crashed)[0]["every_arm_ran_its_precision"] is False
+    emulated = summary_of(gpu_check)
+    emulated["benchmark"]["precisions"]["arms"]["fp8"]["fp8_emulated"] = True  # no fp8 on a GPU
+    assert gpu_check.checks(emulated)[0]["fp8_arms_ran_fp8"] is False
+
+
+def test_a_benchmark_cut_short_or_a_step_that_failed():
+    """Arms the deadline left out are no failure (partial: time); a fine-tune that crashed is."""
+    gpu_check = load_gpu_check()
+    cut = summary_of(gpu_check)
+    cut["benchmark"]["precisions"]["arms"]["bf16"] = {"fits": False, "not_run": "time limit"}
+    cut["steps"]["benchmark"]["status"] = "partial: time"
+    values, why = gpu_check.checks(cut)
+    assert all(values.values()) and gpu_check.verdict(values, why, cut["steps"]) == "partial: time"
+    nothing_ran = summary_of(gpu_check, benchmark={"precisions": {"not_run": "no time left"}})
+    nothing_ran["steps"]["benchmark"] = {"status": "partial: time", "not_run": "no time left"}
+    values, why = gpu_check.checks(nothing_ran)
+    assert (
+        values["every_arm_ran_its_precision"] is None
+        and why["every_arm_ran_its_precision"] == "partial: time"
+    )
+    crashed = summary_of(gpu_check, loss_agreement_fp16=None)
+    del crashed["finetune_fp16"], crashed["reload_fp16"]
+    crashed["steps"]["finetune_fp16"].update(status="failed", exit_code=1)
+    crashed["steps"]["reload_fp16"] = {"status": "failed", "not_run": "the fp16 fine-tune did not finish"}
+    values, why = gpu_check.checks(crashed)
+    assert (
+        values["fp16_loss_agrees_with_fp32"] is False and values["fp16_model_reloads_to_its_scores"] is False
+    )
+    assert gpu_check.verdict(values, why, crashed["steps"]) == "NOT OK"
+    elsewhere = summary_of(
+        gpu_check, fp8_not_run="fp8 was asked on NVIDIA A100 (compute capability 8.0), ..."
+    )
+    del elsewhere["benchmark"]["precisions"]["arms"]["fp8"]
+    values, why = gpu_check.checks(elsewhere)
+    assert values["fp8_arms_ran_fp8"] is None and why["fp8_arms_ran_fp8"] == "n/a"
+    elsewhere.update(date="now", device="A100", budget_s=420, tables={}, checks=values, not_measured=why)
+    elsewhere["verdict"] = gpu_check.verdict(values, why, elsewhere["steps"])
+    elsewhere["loss_agreement_fp16"] = elsewhere["loss_agreement_bf16"] = None  # no figures to print
+    text = gpu_check.summary_markdown(elsewhere)
     assert "## fp8\n\nNot run: fp8 was asked on NVIDIA A100 (compute capability 8.0)" in text
+
+
+class SkipsEveryStep(torch.amp.GradScaler):
+    """A broken scaler: its scale never backs off, so with a large one every step overflows and is
+    skipped, and the model never trains."""
+
+    def update(self, new_scale=None):
+        super().update(self.get_scale())  # the same scale again, whatever the step found
+
+
+class AppliesOverflowedSteps(torch.amp.GradScaler):
+    """A broken scaler: its overflow check finds none, so a step whose gradients overflowed (inf) is
+    applied (with torch's fused AdamW too, which takes the check's verdict into its own kernel)."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        found_per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        for found in found_per_device.values():
+            found.zero_()
+        return found_per_device
+
+
+def with_scaler(scaler_class, **settings):
+    """accelerate's real fp16 path on this CPU (conftest's Fp16OnCpu) with this GradScaler."""
+
+    class Fp16WithThisScaler(Fp16OnCpu):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.scaler = scaler_class("cpu", **settings)
+
+    return Fp16WithThisScaler
+
+
+def test_the_agreement_holds_for_fp16_and_bf16_and_fails_for_a_broken_scaler(tmp_path, monkeypatch):
+    """The check's own fine-tune (the dry run's flags and model, in this process): accelerate's real
+    fp16 path (tests' Fp16OnCpu fixture) and bf16 agree with fp32 within the tolerance; a scaler that
+    skips every step, and one that applies an overflowed step, do not. fp16 runs torch's default
+    GradScaler (the fixture's own grows its scale every 3 steps); the recipe's guard against
+    skipped steps is lifted so that the criterion alone decides."""
+    gpu_check, recipe = load_gpu_check(), load_recipe("bert_glue")
+    model = gpu_check.random_bert(
+        tmp_path / "model", **gpu_check.TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    )
+    flags = [*gpu_check.plan(dry_run=True)["finetune"], "--logging_steps", 1, "--model_name_or_path", model]
+    flags += [
+        "--task_name",
+        "mrpc",
+        "--data_dir",
+        gpu_check.GLUE_DIR,
+        "--max_consecutive_skipped_steps",
+        1000,
+    ]
+    runs = {"fp32": (None, "no"), "bf16": (None, "bf16"), "fp16": (with_scaler(torch.amp.GradScaler), "fp16")}
+    runs |= {
+        "skips": (with_scaler(SkipsEveryStep, init_scale=2.0**40), "fp16"),
+        "nan": (with_scaler(AppliesOverflowedSteps, init_scale=2.0**40), "fp16"),
+    }
+    agreement = {}
+    for name, (accelerator, precision) in runs.items():
+        if accelerator:
+            monkeypatch.setattr(recipe, "Accelerator", accelerator)
+        scaler = (
+            ["--fp16_init_scale", 2**16, "--fp16_growth_interval", 2000] if name == "fp16" else []
+        )  # torch's
+        train(recipe, [*flags, "--mixed_precision", precision, *scaler, "--output_dir", tmp_path / name])
+        monkeypatch.undo()
+        agreement[name] = gpu_check.loss_agreement(tmp_path / "fp32", tmp_path / name)
+    reset_accelerate()
+    print({name: a.get("difference_of_learned") for name, a in agreement.items()})
+    assert agreement["fp32"]["difference"] == 0 and agreement["fp32"]["fp32_learned"] > 0.2
+    assert agreement["fp16"]["agrees"] and agreement["bf16"]["agrees"]
+    assert (
+        agreement["fp16"]["difference_of_learned"] < 0.1 and agreement["bf16"]["difference_of_learned"] < 0.1
+    )
+    assert not agreement["skips"]["agrees"] and agreement["skips"]["difference_of_learned"] > 0.9
+    assert (
+        not agreement["nan"]["agrees"]
+        and agreement["nan"]["last_window_loss"] != agreement["nan"]["last_window_loss"]
+    )
 
 
 def test_unknown_steps_are_refused(capsys):
@@ -274,7 +338,6 @@ def test_unknown_steps_are_refused(capsys):
 def test_the_check_fine_tunes_with_the_real_uncased_tokenizer(tmp_path):
     """The model the check builds from data/models/bert-base-uncased: the real 30,522-token
     vocabulary (transformers 5's BertTokenizerFast(vocab_file=...) silently gave 5 tokens)."""
-
     from transformers import AutoConfig, AutoTokenizer
 
     gpu_check = load_gpu_check()
@@ -286,39 +349,141 @@ def test_the_check_fine_tunes_with_the_real_uncased_tokenizer(tmp_path):
     assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (30522, 32, 2)
 
 
-def test_a_missing_import_stops_the_check_before_any_step(monkeypatch):
+def test_the_preflight_imports_and_names_the_conflicting_dependency(monkeypatch):
+    """Every package is imported, not only found; a failure names the package, its error and the
+    installed dependencies at versions it does not accept (here: an old pyarrow under datasets)."""
+    import importlib.metadata
+
     gpu_check = load_gpu_check()
-    assert {"datasets", "evaluate", "transformers", "accelerate"} <= set(gpu_check.NEEDED)
-    gpu_check.preflight()  # this machine has them all
-    monkeypatch.setitem(gpu_check.NEEDED, "no_such_package", "carried wheels (no_such_package)")
+    assert {"datasets", "evaluate", "transformers", "accelerate", "torch"} <= set(gpu_check.NEEDED)
+    gpu_check.preflight()  # this machine has them all, and datasets reads MRPC
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "1.0.0" if name == "pyarrow" else real_version(name)
+    )
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
     with pytest.raises(SystemExit) as stop:
         gpu_check.preflight()
-    assert str(stop.value).startswith(
-        "error: missing no_such_package (carried wheels (no_such_package)): run `bash scripts/fetch_gpu_wheels.sh`"
-    )
+    message = str(stop.value)
+    assert message.startswith("error: datasets does not import (ModuleNotFoundError: ")
+    assert "; it needs pyarrow>=" in message and "(found 1.0.0)" in message
+    assert message.endswith("Install: pip install datasets, or wheels from scripts/fetch_gpu_wheels.sh.")
 
 
-def test_a_check_killed_outright_takes_its_steps_grandchildren_along(tmp_path):
-    """SIGKILL to the check (no handler runs): the reaper leading the step's group kills the step
-    and the processes it started, not only its first process."""
-    marker = tmp_path / "grandchild-survived"
+def processes_with(tag: str) -> list[int]:
+    """PIDs whose environment carries GPU_CHECK_TEST=<tag> (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"GPU_CHECK_TEST={tag}".encode() in (entry / "environ").read_bytes():
+                if not (entry / "stat").read_text().rsplit(") ", 1)[1].startswith("Z"):
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def torchrun_worker_of(tag: str) -> int | None:
+    """A worker that torchrun started (in a session of its own) for this check, once one runs."""
+    for pid in processes_with(tag):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if any(item.startswith(b"TORCHELASTIC_RUN_ID=") for item in environ) and os.getsid(pid) == pid:
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def assert_nothing_outlives(tag: str, what: str) -> None:
+    deadline = time.monotonic() + 15
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leftovers = processes_with(tag)
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    assert not leftovers, f"processes outlived the check ({what})"
+
+
+def test_a_check_killed_during_its_multi_process_step_leaves_no_process(tmp_path):
+    """SIGKILL, which no handler sees, while torchrun's worker of the FSDP2 fine-tune runs in a
+    session of its own (out of reach of a process-group kill): the check's watcher kills it."""
+    out, tag = tmp_path / "check", f"{tmp_path}-sigkill"
+    env = offline_env(tmp_path, **dry_run_env(GPU_CHECK_TEST=tag))
+    check = subprocess.Popen([str(c) for c in check_command(out, "--steps", "finetune")], cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while torchrun_worker_of(tag) is None:
+            assert check.poll() is None and time.monotonic() < deadline, "no torchrun worker ever ran"
+            time.sleep(0.2)
+        time.sleep(1)
+        check.send_signal(signal.SIGKILL)
+        check.wait()
+        assert_nothing_outlives(tag, "SIGKILL during the FSDP2 fine-tune")
+    finally:
+        check.kill()
+    summary = json.loads((out / "summary.json").read_text())  # whole, never half-written
+    assert summary["steps"]["finetune_fp32"]["status"] == "done"
+    assert "finetune_bf16" not in summary["steps"]  # killed while it ran
+
+
+def test_a_check_terminated_at_any_moment_leaves_a_readable_summary_and_no_process(tmp_path):
+    """SIGTERM at a random moment (printed, to replay a failure): the check stops every process it
+    started, and its summary is whole."""
+    out, tag = tmp_path / "check", f"{tmp_path}-sigterm"
+    moment = random.uniform(4, 45)  # set-up, the tests, the fine-tunes
+    print(f"SIGTERM after {moment:.1f} s")
+    env = offline_env(tmp_path, **dry_run_env(GPU_CHECK_TEST=tag))
     check = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import importlib.util, os;"
-            "spec = importlib.util.spec_from_file_location('gpu_check', 'scripts/gpu_check.py');"
-            "g = importlib.util.module_from_spec(spec); spec.loader.exec_module(g);"
-            f"g.run_step('s', ['bash', '-c', 'echo started; (sleep 4; touch {marker}) & wait'], '{tmp_path / 's.log'}', "
-            "dict(os.environ), timeout=60)",
-        ],
-        cwd=REPO,
+        [str(c) for c in check_command(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL
     )
+    try:
+        check.wait(timeout=moment)
+    except subprocess.TimeoutExpired:
+        check.send_signal(signal.SIGTERM)  # the check's own process (gpu_check.sh execs it)
+        check.wait(timeout=60)
+    assert_nothing_outlives(tag, f"SIGTERM at {moment:.1f} s")
+    if not (out / "summary.json").exists():
+        assert not (out / "check.log").exists()  # stopped before any step started
+        return
+    assert_output_fits_what_comes_back(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (out / "summary.md").read_text().startswith("# GPU check (dry run, CPU)")
+    for name, step in summary["steps"].items():
+        if step.get("status") == "done" and name.startswith("finetune_"):
+            assert summary[name]["train_steps"] == 32, (name, moment)
+
+
+def test_a_step_past_its_deadline_is_stopped_with_every_process_it_started(tmp_path):
+    """Its child in a session of its own too, as torchrun's workers are."""
+    gpu_check = load_gpu_check()
+    marker = tmp_path / "child-survived"
+    command = ["bash", "-c", f"setsid bash -c 'sleep 3; touch {marker}' & wait"]
+    env = {**os.environ, gpu_check.TAG: "test-deadline"}
+    step = gpu_check.run_step("slow", command, tmp_path / "slow.log", env, seconds=1)
+    assert step["status"] == "partial: time" and step["seconds"] < 3
+    time.sleep(3)
+    assert not marker.exists()
+
+
+def test_a_check_killed_outright_takes_its_steps_processes_along(tmp_path):
+    """SIGKILL to the check (no handler runs): its watcher kills the step and every process it
+    started, a process in another session included."""
+    marker = tmp_path / "grandchild-survived"
+    code = (
+        "import importlib.util, os;"
+        "spec = importlib.util.spec_from_file_location('gpu_check', 'scripts/gpu_check.py');"
+        "g = importlib.util.module_from_spec(spec); spec.loader.exec_module(g);"
+        "g.start_watcher('outright');"
+        f"g.run_step('s', ['bash', '-c', 'echo started; setsid bash -c \"sleep 4; touch {marker}\" & wait'], "
+        f"'{tmp_path / 's.log'}', dict(os.environ, **{{g.TAG: 'outright'}}), seconds=60)"
+    )
+    check = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     deadline = time.monotonic() + 30
     while "\nstarted" not in ((tmp_path / "s.log").read_text() if (tmp_path / "s.log").exists() else ""):
         assert time.monotonic() < deadline and check.poll() is None
         time.sleep(0.1)
-    time.sleep(1)  # the reaper, bash and its sleeping child are running
+    time.sleep(1)
     assert check.poll() is None, "the check ended before it was killed"
     check.send_signal(signal.SIGKILL)
     check.wait()
