@@ -61,7 +61,7 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         "--optim",
         choices=["auto", "adamw_torch", "adamw_torch_fused"],
         default="auto",
-        help="AdamW kernel: auto = fused where torch has it (CUDA, CPU), else foreach (multi-tensor).",
+        help="AdamW kernel: auto = fused where torch has it (CUDA, CPU, MPS, XPU), else foreach (multi-tensor).",
     )
 
     amp = parser.add_argument_group("mixed precision")

@@ -332,7 +332,10 @@ def preflight_checks(
     where = facts["device_name"]
     if facts.get("compute_capability"):
         where += f" (compute capability {facts['compute_capability']})"
-    if flag and launcher and flag != launcher:
+    # `accelerate launch` without a config exports "no" whether or not anyone chose it, so a flag
+    # that asks for a reduced precision over a launcher's "no" is the usual way to ask, not a
+    # disagreement (the preflight's source line still says the flag overrode it).
+    if flag and launcher and launcher != "no" and flag != launcher:
         warnings.append(
             f"--mixed_precision {flag} and the accelerate launch/config setting {launcher} disagree: "
             f"the script's flag wins, this run asks for {flag}."

@@ -155,6 +155,9 @@ def test_preflight_refuses_bf16_on_a_gpu_without_it():
 
 def test_preflight_is_quiet_when_all_is_well():
     assert preflight_checks(H100, "bf16", "bf16", "bf16") == ([], [])
+    # `accelerate launch recipes/bert_glue.py --mixed_precision fp16` without a config: accelerate
+    # exports its default "no", which the flag overrides without a disagreement.
+    assert preflight_checks(H100, "fp16", "fp16", "no") == ([], [])
     assert preflight_checks(V100, "fp16", None, "fp16") == ([], [])
     assert preflight_checks(CPU_BF16, "fp16", "fp16", None, in_effect="fp16") == ([], [])  # the test fixture
 
