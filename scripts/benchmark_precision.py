@@ -464,8 +464,8 @@ def trial_in_process(args, arm: str, batch_size: int, warmup_steps: int, timed_s
     """One trial in this process. accelerate keeps one state per process (precision, device,
     plugins) and refuses an Accelerator with other settings once it exists: it is reset before each
     trial, as accelerate's own test suite does between tests; dynamo's graphs of the last compiled
-    trial (which hold its model) are dropped. An OOM anywhere in the trial means "does not fit",
-    and the memory is released before the next one."""
+    trial (which hold its model) are dropped. An OOM anywhere in the trial means "does not fit";
+    the next trial releases what this one left (`measure` starts with `start_memory_window`)."""
     import traceback
 
     import torch
@@ -490,7 +490,6 @@ def trial_in_process(args, arm: str, batch_size: int, warmup_steps: int, timed_s
         raise BenchmarkCrash(message, tail) from None
     finally:
         os.environ.update(launched)
-        start_memory_window(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -42,6 +42,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -187,11 +188,12 @@ class Budget:
 
 
 # ----------------------------------------------------------------------------- processes
-def start_watcher(tag: str) -> subprocess.Popen:
+def start_watcher(tag: str, scratch: Path) -> subprocess.Popen:
     """A shell loop that outlives the check only to clean up after it: when the check's process is
     gone, even killed by SIGKILL (which no handler of ours sees), it kills every process whose
-    environment carries this check's tag. That reaches what a process group does not: torchrun
-    starts its workers in sessions of their own. Not Python: it costs no interpreter start."""
+    environment carries this check's tag, then removes the scratch folder (models, checkpoints).
+    That reaches what a process group does not: torchrun starts its workers in sessions of their
+    own. Not Python: it costs no interpreter start."""
     script = f"""
         while kill -0 {os.getpid()} 2>/dev/null; do sleep 0.5; done
         for environ in /proc/[0-9]*/environ; do
@@ -200,6 +202,7 @@ def start_watcher(tag: str) -> subprocess.Popen:
                 [ "$pid" != "$$" ] && kill -9 "$pid" 2>/dev/null
             fi
         done
+        rm -rf {shlex.quote(str(scratch))}
         exit 0
     """
     env = {k: v for k, v in os.environ.items() if k != TAG}  # the watcher never kills itself
@@ -274,7 +277,8 @@ def main(argv=None) -> dict:
     for name in OUTPUT_FILES:  # a rerun into the same folder starts clean
         (out / name).unlink(missing_ok=True)
     tag = uuid.uuid4().hex
-    watcher = start_watcher(tag)
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))  # models, checkpoints
+    watcher = start_watcher(tag, work)
 
     def stop(signum, frame):
         """SIGTERM/SIGINT/SIGHUP to the check: every process of it dies with it."""
@@ -315,7 +319,6 @@ def main(argv=None) -> dict:
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: no CUDA GPU here; use --dry_run to rehearse the plan on a CPU.")
     preflight()
-    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))  # models, checkpoints
     planned = planned_steps(args.steps)
 
     def step(name: str, command: list, margin: float = 0.0, skip: tuple | None = None) -> dict | None:

@@ -1,9 +1,11 @@
 """scripts/gpu_check.sh --dry_run: the whole GPU plan rehearsed on CPU with the tiny model, with its
 process count, its deadlines, its verdict, its agreement criterion and its cleanup."""
 
+import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from conftest import (
     offline_env,
     reset_accelerate,
     run,
+    run_processes,
     train,
 )
 
@@ -370,36 +373,21 @@ def test_the_preflight_imports_and_names_the_conflicting_dependency(monkeypatch)
     assert message.endswith("Install: pip install datasets, or wheels from scripts/fetch_gpu_wheels.sh.")
 
 
-def processes_with(tag: str) -> list[int]:
-    """PIDs whose environment carries GPU_CHECK_TEST=<tag> (zombies excluded)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and f"GPU_CHECK_TEST={tag}".encode() in (entry / "environ").read_bytes():
-                if not (entry / "stat").read_text().rsplit(") ", 1)[1].startswith("Z"):
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def torchrun_worker_of(tag: str) -> int | None:
-    """A worker that torchrun started (in a session of its own) for this check, once one runs."""
-    for pid in processes_with(tag):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if any(item.startswith(b"TORCHELASTIC_RUN_ID=") for item in environ) and os.getsid(pid) == pid:
+    """A worker that torchrun started (a RANK of its own, in a session of its own) for this check,
+    once one runs."""
+    for pid, rank in run_processes(tag).items():
+        with contextlib.suppress(OSError):
+            if rank >= 0 and os.getsid(pid) == pid:
                 return pid
-        except OSError:
-            continue
     return None
 
 
 def assert_nothing_outlives(tag: str, what: str) -> None:
     deadline = time.monotonic() + 15
-    while processes_with(tag) and time.monotonic() < deadline:
+    while run_processes(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
-    leftovers = processes_with(tag)
+    leftovers = list(run_processes(tag))
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
     assert not leftovers, f"processes outlived the check ({what})"
@@ -407,9 +395,10 @@ def assert_nothing_outlives(tag: str, what: str) -> None:
 
 def test_a_check_killed_during_its_multi_process_step_leaves_no_process(tmp_path):
     """SIGKILL, which no handler sees, while torchrun's worker of the FSDP2 fine-tune runs in a
-    session of its own (out of reach of a process-group kill): the check's watcher kills it."""
+    session of its own (out of reach of a process-group kill): the check's watcher kills it before
+    it finishes (two fine-tunes saved their model, not three), and removes the scratch folder."""
     out, tag = tmp_path / "check", f"{tmp_path}-sigkill"
-    env = offline_env(tmp_path, **dry_run_env(GPU_CHECK_TEST=tag))
+    env = offline_env(tmp_path, **dry_run_env(AMP_SCALE_OUT_TEST=tag))
     check = subprocess.Popen([str(c) for c in check_command(out, "--steps", "finetune")], cwd=REPO, env=env)
     try:
         deadline = time.monotonic() + 300
@@ -425,6 +414,10 @@ def test_a_check_killed_during_its_multi_process_step_leaves_no_process(tmp_path
     summary = json.loads((out / "summary.json").read_text())  # whole, never half-written
     assert summary["steps"]["finetune_fp32"]["status"] == "done"
     assert "finetune_bf16" not in summary["steps"]  # killed while it ran
+    log = (out / "check.log").read_text()
+    assert log.count("Saved model and eval_results.json") == 2  # fp32 and fp16; bf16 was killed
+    scratch = Path(re.search(r"--output_dir (\S+)/finetune_fp32", log).group(1))
+    assert scratch.name.startswith("gpu-check-") and not scratch.exists()
 
 
 def test_a_check_terminated_at_any_moment_leaves_a_readable_summary_and_no_process(tmp_path):
@@ -433,7 +426,7 @@ def test_a_check_terminated_at_any_moment_leaves_a_readable_summary_and_no_proce
     out, tag = tmp_path / "check", f"{tmp_path}-sigterm"
     moment = random.uniform(4, 45)  # set-up, the tests, the fine-tunes
     print(f"SIGTERM after {moment:.1f} s")
-    env = offline_env(tmp_path, **dry_run_env(GPU_CHECK_TEST=tag))
+    env = offline_env(tmp_path, **dry_run_env(AMP_SCALE_OUT_TEST=tag))
     check = subprocess.Popen(
         [str(c) for c in check_command(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL
     )
@@ -468,16 +461,17 @@ def test_a_step_past_its_deadline_is_stopped_with_every_process_it_started(tmp_p
 
 def test_a_check_killed_outright_takes_its_steps_processes_along(tmp_path):
     """SIGKILL to the check (no handler runs): its watcher kills the step and every process it
-    started, a process in another session included."""
+    started, a process in another session included, and removes the scratch folder."""
     marker = tmp_path / "grandchild-survived"
     code = (
         "import importlib.util, os;"
         "spec = importlib.util.spec_from_file_location('gpu_check', 'scripts/gpu_check.py');"
         "g = importlib.util.module_from_spec(spec); spec.loader.exec_module(g);"
-        "g.start_watcher('outright');"
+        f"g.start_watcher('outright', g.Path('{tmp_path / 'scratch'}'));"
         f"g.run_step('s', ['bash', '-c', 'echo started; setsid bash -c \"sleep 4; touch {marker}\" & wait'], "
         f"'{tmp_path / 's.log'}', dict(os.environ, **{{g.TAG: 'outright'}}), seconds=60)"
     )
+    (tmp_path / "scratch").mkdir()  # the check's models and checkpoints
     check = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     deadline = time.monotonic() + 30
     while "\nstarted" not in ((tmp_path / "s.log").read_text() if (tmp_path / "s.log").exists() else ""):
@@ -488,4 +482,4 @@ def test_a_check_killed_outright_takes_its_steps_processes_along(tmp_path):
     check.send_signal(signal.SIGKILL)
     check.wait()
     time.sleep(5)
-    assert not marker.exists()
+    assert not marker.exists() and not (tmp_path / "scratch").exists()
