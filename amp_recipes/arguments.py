@@ -6,8 +6,22 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
+from .errors import first_to_say
 from .telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, except that under a multi-process launch its error (the usage, then
+    `<recipe>: error: ...`, exit 2) is printed once for the launch, not once per rank."""
+
+    def error(self, message):
+        sentence = f"{self.prog}: error: {message}\n"
+        if first_to_say(sentence):
+            self.print_usage(sys.stderr)
+            self.exit(2, sentence)
+        self.exit(2)
 
 
 def add_worker_args(group) -> None:

@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import sys
@@ -128,16 +129,52 @@ def lost_rank_message(error: BaseException | None) -> str | None:
     )
 
 
+def first_to_say(sentence: str) -> bool:
+    """Whether no other process of this launch has printed `sentence` yet.
+
+    Under a multi-process launch every rank usually fails the same check (a missing model folder,
+    a bad flag value) and would print the same sentence once per process. torchrun (what
+    `accelerate launch` runs for more than one process) keeps a key-value store for the launch in
+    its own process, which outlives the ranks; an atomic counter there lets the first rank print
+    and the others stay silent. It is not a collective: a rank that failed alone never waits for
+    the others. Different sentences are each printed. Any other launcher, or a store that does not
+    answer within 5 s, and the sentence is printed (twice at worst, never lost)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return True
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=5),
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted launch says it again
+        key = f"amp_recipes/error/{attempt}/{hashlib.sha1(sentence.encode()).hexdigest()}"
+        return store.add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - no store, no answer: print rather than lose the cause
+        return True
+
+
+def exit_with(sentence: str):
+    """End the process with exit code 1, printing `sentence` unless another rank already did."""
+    sys.exit(sentence if first_to_say(sentence) else 1)
+
+
 @contextlib.contextmanager
 def one_sentence_errors():
     """Around a recipe's main(): the errors a user can act on end the process with `error: ...` and
-    exit code 1 instead of a traceback: bad input, a diverged run, a rank that hung or died."""
+    exit code 1 instead of a traceback: bad input, a diverged run, a rank that hung or died. Under a
+    multi-process launch the sentence is printed once, not once per rank (`first_to_say`)."""
     try:
         yield
     except (InputError, TrainingDiverged) as error:
-        sys.exit(f"error: {error}")
+        exit_with(f"error: {error}")
     except RuntimeError as error:  # torch.distributed.DistBackendError is one
         message = lost_rank_message(error)
         if message is None:
             raise
-        sys.exit(f"error: {message}")
+        exit_with(f"error: {message}")

@@ -29,7 +29,8 @@ logger = get_logger(__name__)
 
 # ----------------------------------------------------------------------------- args
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # argparse's parser; under a multi-process launch its error is printed once, not once per rank.
+    parser = arguments.ArgumentParser(description=__doc__.splitlines()[0])
     data = parser.add_argument_group("data")
     data.add_argument("--task_name", choices=sorted(glue.GLUE_TASKS), help="GLUE task (else --train_file).")
     data.add_argument(

@@ -37,7 +37,8 @@ logger = get_logger(__name__)
 
 # ----------------------------------------------------------------------------- args
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # argparse's parser; under a multi-process launch its error is printed once, not once per rank.
+    parser = arguments.ArgumentParser(description=__doc__.splitlines()[0])
     data = parser.add_argument_group("data")
     data.add_argument("--dataset_name", default=ner.HUB_DATASET, help="Hub dataset with tokens + ner_tags.")
     data.add_argument(

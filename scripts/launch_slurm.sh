@@ -75,7 +75,7 @@ echo "launching on $nodes node(s) x $gpus_per_node GPU(s); main process $main_ip
 # SLURM_NODEID is read on each node (single quotes): it is that node's machine rank.
 status=0
 srun --nodes="$nodes" --ntasks-per-node=1 bash -c '
-    exec accelerate launch --config_file "$0" \
+    exec accelerate launch -q --config_file "$0" \
         --num_machines "$1" --num_processes "$(($1 * $2))" --machine_rank "$SLURM_NODEID" \
         --main_process_ip "$3" --main_process_port "$4" --rdzv_backend static "${@:5}"
 ' "$config" "$nodes" "$gpus_per_node" "$main_ip" "$port" "$@" "${resume[@]}" || status=$?

@@ -820,3 +820,91 @@ def test_a_full_disk_during_the_final_save_keeps_the_previous_model(tmp_path, mo
     )
     assert {name: (out / name).read_bytes() for name in kept} == kept
     assert not (out / ".final.tmp").exists() and not (out / LOCK).exists()
+
+
+# ----------------------------------------------------------------------------- the launchers
+# The documented launcher forms, each a command the docs show (the test finds it there), and what
+# this machine changes: two processes on a CPU (ACCELERATE_USE_CPU=1: one gloo group).
+LAUNCHERS = {
+    "python": ("docs/checkpoints.md", "python recipes/bert_glue.py", {}),
+    "one process": (
+        "README.md",
+        "accelerate launch -q --config_file accelerate_configs/cpu.yaml recipes/bert_glue.py",
+        {},
+    ),
+    "two processes": (
+        "docs/scaling-out.md",
+        "accelerate launch -q --config_file accelerate_configs/multi_gpu.yaml recipes/bert_glue.py",
+        {"ACCELERATE_USE_CPU": "1"},
+    ),
+}
+# What torchrun's agent prints in the launcher process after a rank failed, under `-q` (accelerate
+# >= 1.16; 1.15 adds the ChildFailedError traceback): its own log lines, then its failure report
+# between two lines of '='. Not the recipe's to change; see docs/fp16.md, "When a run fails".
+TORCHRUN_LOG = re.compile(r"^[WE]\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/")
+
+
+def after_the_preflight(output: str) -> list[str]:
+    """The lines after the preflight block (its `Preflight` line and the indented ones under it)."""
+    lines = output.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.endswith("] Preflight"))
+    end = start + 1
+    while end < len(lines) and lines[end].startswith("  "):
+        end += 1
+    return lines[end:]
+
+
+def without_torchruns_report(lines: list[str]) -> list[str]:
+    """`lines` less torchrun's log lines and its failure report, which must come last."""
+    kept = [line for line in lines if not TORCHRUN_LOG.match(line)]
+    first = kept.index("=" * 60)
+    assert kept[first + 1].endswith("recipes/bert_glue.py FAILED") and kept[-1] == "=" * 60, kept[first:]
+    assert "Root Cause (first observed failure):" in kept[first:]
+    return [line for line in kept[:first] if line.strip()]
+
+
+@pytest.mark.heavy  # three launches, one of two processes
+@pytest.mark.parametrize("form", LAUNCHERS)
+def test_a_failed_run_says_why_once_in_every_documented_launcher_form(form, tmp_path):
+    """A missing model folder through each documented launcher: exit 1, the cause once, no
+    traceback, at most 3 lines after the preflight. With two processes both ranks fail the same
+    check and the sentence is still printed once (amp_recipes.errors.first_to_say); what follows it
+    is torchrun's own report, which the launcher prints for any failed rank. There, a bad flag
+    value (argparse, before any preflight) also prints its usage and error once."""
+    from conftest import GLUE_DIR, REPO, accelerate_launch, run
+
+    page, launcher, env = LAUNCHERS[form]
+    assert launcher in (REPO / page).read_text().replace("\\\n    ", "")  # the docs show this form
+    missing = tmp_path / "no-such-model"
+    flags = ["--task_name", "mrpc", "--data_dir", GLUE_DIR, "--model_name_or_path", missing]
+    flags += ["--output_dir", tmp_path / "out"]
+    words = launcher.split()
+    if form == "python":
+        command = [sys.executable, *words[1:], *flags]
+    else:
+        processes = ["--num_processes", 2] if form == "two processes" else []
+        command = accelerate_launch(*words[2:-1], *processes, words[-1], *flags)
+    result = run(command, tmp_path, **env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    sentence = f"error: --model_name_or_path {missing}: no such directory (a Hub model id looks like"
+    assert [line for line in output.splitlines() if line.startswith(sentence)] != []
+    assert output.count(sentence) == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    after = after_the_preflight(output)
+    if form == "two processes":
+        after = without_torchruns_report(after)
+    assert len(after) <= 3 and after[-1].startswith(sentence), after
+    assert not (tmp_path / "out").exists()
+
+    if form == "two processes":
+        flags[flags.index("--model_name_or_path") + 1] = "prajjwal1/bert-tiny"  # never reached
+        result = run(
+            accelerate_launch(*words[2:-1], *processes, words[-1], *flags, "--learning_rate", -1),
+            tmp_path,
+            **env,
+        )
+        output = result.stdout + result.stderr
+        assert result.returncode == 1
+        assert output.count("bert_glue.py: error: --learning_rate must be at least 0, not -1.0.") == 1, output
+        assert output.count("usage: bert_glue.py") == 1 and "Traceback" not in output

@@ -212,14 +212,15 @@ def test_the_readmes_one_gpu_fp16_command_runs_without_a_contradicting_warning(t
     steps. Its config and its flag both ask for fp16, so nothing reports a disagreement; on this
     CPU accelerate runs fp32, and a warning says so."""
     command = readme_command("Fine-tune BERT-base on MRPC in fp16, on one GPU")
-    assert command[:5] == [
+    assert command[:6] == [
         "accelerate",
         "launch",
+        "-q",
         "--config_file",
         "accelerate_configs/single_gpu.yaml",
         "recipes/bert_glue.py",
     ]
-    flags = command[5:]
+    flags = command[6:]
     flags[flags.index("--model_name_or_path") + 1] = str(TINY_BERT)
     flags[flags.index("--output_dir") + 1] = str(tmp_path / "out")
     flags += [
@@ -232,7 +233,7 @@ def test_the_readmes_one_gpu_fp16_command_runs_without_a_contradicting_warning(t
         "--max_eval_samples",
         16,
     ]
-    result = run(accelerate_launch(*command[2:5], *flags), tmp_path)
+    result = run(accelerate_launch(*command[2:6], *flags), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     assert results["mixed_precision_requested"] == "fp16" and results["precision_in_effect"] == "fp32"

@@ -64,7 +64,7 @@ def test_one_launch_per_node_with_its_rank(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "launching on 2 node(s) x 4 GPU(s); main process gpu-node-07:29611" in result.stdout
     assert launches == [
-        f"node {rank}: accelerate launch --config_file accelerate_configs/multi_node.yaml "
+        f"node {rank}: accelerate launch -q --config_file accelerate_configs/multi_node.yaml "
         + COMMON.format(rank=rank, out=out)
         for rank in (0, 1)
     ]
@@ -93,7 +93,7 @@ def test_sigterm_requeues_and_the_requeued_job_resumes_from_its_checkpoint(tmp_p
     result, launches = slurm(tmp_path, *args, SLURM_RESTART_COUNT="2")
     assert "requeued (restart 2): --resume_from_checkpoint latest" in result.stdout
     assert launches == [
-        f"node {rank}: accelerate launch --config_file accelerate_configs/multi_node.yaml "
+        f"node {rank}: accelerate launch -q --config_file accelerate_configs/multi_node.yaml "
         + COMMON.format(rank=rank, out=out)
         + " --resume_from_checkpoint latest"
         for rank in (0, 1)

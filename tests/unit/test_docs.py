@@ -150,6 +150,24 @@ def test_every_documented_recipe_command_parses_with_the_recipes_own_parser(caps
     assert not failed, failed
 
 
+A_LAUNCH = re.compile(r"(?<![`\w])accelerate launch ")  # a command, not `accelerate launch` in prose
+
+
+def test_every_documented_accelerate_launch_is_quiet():
+    """`accelerate launch -q`: without it, a run that fails prints its error again inside the
+    launcher's CalledProcessError traceback (one process) or under torchrun's ChildFailedError
+    traceback (several); tests/recipes/test_bad_input.py runs the documented forms. Every command
+    in a code block of the docs, in the configs' headers and in the Slurm script carries it."""
+    launches = []
+    for page in DOCUMENTED:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", page.read_text(), re.S):
+            launches += [(page.name, line) for line in block.splitlines() if A_LAUNCH.search(line)]
+    for path in [*sorted((REPO / "accelerate_configs").glob("*.yaml")), REPO / "scripts" / "launch_slurm.sh"]:
+        launches += [(path.name, line) for line in path.read_text().splitlines() if A_LAUNCH.search(line)]
+    assert len(launches) >= 25
+    assert not [(where, line) for where, line in launches if "accelerate launch -q " not in line]
+
+
 def test_the_checkpoints_example_checkpoints_before_its_run_ends():
     """docs/checkpoints.md's MRPC example: its --checkpointing_steps falls inside the run (GLUE's
     MRPC train split: 3,668 pairs), so its resume line has a checkpoint to resume."""

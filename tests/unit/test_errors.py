@@ -2,7 +2,7 @@
 
 import pytest
 
-from amp_recipes.errors import InputError, lost_rank_message, one_sentence_errors
+from amp_recipes.errors import InputError, first_to_say, lost_rank_message, one_sentence_errors
 
 GLOO_TIMEOUT = "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
 
@@ -24,6 +24,47 @@ def test_a_timeout_outside_a_process_group_is_not_blamed_on_a_rank():
     assert lost_rank_message(RuntimeError(GLOO_TIMEOUT)) is None
     with pytest.raises(RuntimeError, match="Timed out waiting"), one_sentence_errors():
         raise RuntimeError(GLOO_TIMEOUT)
+
+
+# ----------------------------------------------------------------------------- first_to_say
+def test_a_sentence_is_said_once_per_launch_through_torchruns_store(monkeypatch):
+    """Two ranks of a torchrun launch reach the same sentence: the first prints it, the second does
+    not; another sentence, or a restarted launch, is printed again. A real TCPStore plays the one
+    torchrun's agent holds (tests/recipes/test_bad_input.py runs the real launch)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from conftest import free_port
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5))  # noqa: F841
+    for name, value in {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert first_to_say("error: no model") is True  # rank 0
+    assert first_to_say("error: no model") is False  # rank 1: the same sentence
+    assert first_to_say("error: rank 1's own cause") is True
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert first_to_say("error: no model") is True
+
+
+def test_without_torchruns_store_every_sentence_is_said(monkeypatch):
+    """One process, another launcher, or a store that does not answer: printed, never lost."""
+    from conftest import free_port
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert first_to_say("error: x") is True and first_to_say("error: x") is True
+    # torchrun's variables, but nothing listens on the port: the 5 s timeout, then printed.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert first_to_say("error: x") is True
 
 
 # ----------------------------------------------------------------------------- die_with_parent

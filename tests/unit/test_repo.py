@@ -289,7 +289,7 @@ def test_accelerate_configs_load_and_open_with_their_command(config):
     loaded = load_config_from_file(str(config))
     assert loaded.mixed_precision in ("no", "fp16", "bf16")
     assert config.read_text().startswith(
-        f"# accelerate launch --config_file accelerate_configs/{config.name}"
+        f"# accelerate launch -q --config_file accelerate_configs/{config.name}"
     )
 
 
