@@ -5,9 +5,9 @@
 
 What prepare() returns is wrapped after the fact: the model's forward (DDP's, FSDP2's, DeepSpeed's
 engine's) runs as it is, and on that rank, at that training forward, its loss is multiplied by NaN.
-Each rank writes how it ended (its exit message, or "finished") to NONFINITE_REPORT_DIR/rank-<R>.txt:
-the launcher interleaves and repeats the ranks' last lines, so the output alone cannot say which
-rank printed what."""
+Each rank writes how it ended (its one-sentence error, or its exit code, or "finished") to
+NONFINITE_REPORT_DIR/rank-<R>.txt: a launch prints a sentence every rank reaches once
+(amp_recipes.errors.first_to_say), so the output alone cannot say which ranks reached it."""
 
 import os
 import runpy
@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import accelerate
+
+from amp_recipes import errors
 
 RANK, STEP = int(os.environ["NONFINITE_RANK"]), int(os.environ["NONFINITE_STEP"])
 real_prepare = accelerate.Accelerator.prepare
@@ -40,9 +42,19 @@ def prepare_then_spoil(self, *args, **kwargs):
 accelerate.Accelerator.prepare = prepare_then_spoil
 recipe, sys.argv = sys.argv[1], sys.argv[1:]
 report = Path(os.environ["NONFINITE_REPORT_DIR"]) / f"rank-{os.environ['RANK']}.txt"
+real_exit_with = errors.exit_with
+
+
+def exit_with_reported(sentence):
+    report.write_text(sentence)  # whether this rank prints it or another rank already did
+    real_exit_with(sentence)
+
+
+errors.exit_with = exit_with_reported
 try:
     runpy.run_path(recipe, run_name="__main__")
 except SystemExit as stop:
-    report.write_text(str(stop.code))
+    if not report.exists():
+        report.write_text(str(stop.code))
     raise
 report.write_text("finished")
