@@ -37,6 +37,15 @@ def add_worker_args(group) -> None:
     )
 
 
+def steps_or_epoch(value: str) -> int | str:
+    """--checkpointing_steps: a positive number of optimizer steps (an int), or 'epoch'."""
+    if value == "epoch":
+        return value
+    if not (value.isdigit() and int(value) > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of steps or 'epoch', not {value!r}")
+    return int(value)
+
+
 def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> None:
     train = parser.add_argument_group("training")
     train.add_argument("--per_device_train_batch_size", type=int, default=32)
@@ -148,7 +157,9 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         help="Replace the run already in --output_dir (its final model stays until the new one is saved).",
     )
     output.add_argument(
-        "--checkpointing_steps", help="Save a checkpoint every N optimizer steps, or each 'epoch'."
+        "--checkpointing_steps",
+        type=steps_or_epoch,
+        help="Save a checkpoint every N optimizer steps, or each 'epoch'.",
     )
     output.add_argument(
         "--resume_from_checkpoint", help="'latest' (in <output_dir>/checkpoints) or a checkpoint path."
@@ -196,12 +207,6 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, rang
 def check_shared_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """One sentence per bad flag, before anything starts."""
     check_ranges(parser, args, SHARED_RANGES)
-    if args.checkpointing_steps not in (None, "epoch") and not (
-        args.checkpointing_steps.isdigit() and int(args.checkpointing_steps) > 0
-    ):
-        parser.error(
-            f"--checkpointing_steps must be a positive number of steps or 'epoch', not {args.checkpointing_steps!r}."
-        )
     if args.torch_compile and args.diagnose_overflow:
         parser.error(
             "--diagnose_overflow adds hooks every step, which makes torch.compile recompile: use one."

@@ -9,12 +9,18 @@ when to checkpoint; `TrainingRun` does the rest:
         if args.eval_only:
             return run.evaluate_only()
         for epoch in run.epochs():
-            for batch in run.batches(train_dataloader, epoch):
-                ...  # the step
-                if not run.step_done(batch, loss, grad_norm, overflow):
+            for batch in run.epoch_batches(train_dataloader, epoch):
+                ...  # the step: forward, backward, clip, optimizer step, schedule, zero_grad
+                run.count_batch(batch, loss, grad_norm)
+                if not accelerator.sync_gradients:
                     continue  # inside an accumulation window
+                run.count_optimizer_step()
+                ...  # run.warn_nonfinite(...), run.stop_diverged() (fp16: no loss scale helps)
                 ...  # run.log({...}), run.evaluate(epoch + 1), run.save_checkpoint()
-                run.stop_if_preempted()
+                if run.preemption_requested():
+                    run.checkpoint_and_exit()
+                if run.step >= schedule.max_train_steps:
+                    break
             run.end_epoch()
         return run.save_final_model(tokenizer)
 
@@ -22,9 +28,10 @@ when to checkpoint; `TrainingRun` does the rest:
 - `start()`: the resume (`--resume_from_checkpoint`: model, optimizer, scheduler, GradScaler and
   RNG states), the step telemetry and activation monitor, the run facts, the trackers (W&B /
   TensorBoard) and the run record (`log_history.jsonl`);
-- the loop's bookkeeping: epochs and the batches a resumed run skips, the optimizer-step count and
-  progress bar, the skipped-step warnings and the stop when no loss scale helps, evaluation and
-  checkpoint saves, the preemption exit (SIGTERM/SIGINT: a checkpoint, then exit 143/130);
+- the loop's bookkeeping, each a method the recipe calls where it happens: epochs and the batches
+  a resumed run skips, the micro-batch and optimizer-step counts and the progress bar, the
+  skipped-step warning and the stop when no loss scale helps, evaluation and checkpoint saves, the
+  preemption exit (SIGTERM/SIGINT: a checkpoint, then exit 143/130);
 - the final save (`.final.tmp`, renamed into place) and its summary, `eval_results.json` last;
 - `__exit__`, the one exit path of every run (finished, evaluated only, preempted, failed): the
   progress bar, signal handlers (kept after a lost rank, until its error is printed) and hooks go,
@@ -63,6 +70,7 @@ class TrainingRun:
         self.progress = self.preemption = self.activations = None
         self.initial_weights = None
         self.last_checkpoint = None  # ((step, epoch, batches_in_epoch), path) of the last one written
+        self.nonfinite_at = None  # the first inf/NaN module found at this step, for the stop message
         self.ended = False  # the trackers end with a finished or preempted run, not a failed one
 
     def __enter__(self) -> TrainingRun:
@@ -153,7 +161,7 @@ class TrainingRun:
     # ------------------------------------------------------------------ the loop
     def epochs(self):
         """The epochs left to train (a resumed run starts in its checkpoint's)."""
-        # SIGTERM/SIGINT: stop after the current step, with a checkpoint (stop_if_preempted).
+        # SIGTERM/SIGINT: noted, and acted on at the end of a step (preemption_requested).
         self.preemption = checkpoint.PreemptionHandler()
         self.progress = tqdm(
             total=self.schedule.max_train_steps,
@@ -164,37 +172,42 @@ class TrainingRun:
             self.epoch = epoch
             yield epoch
 
-    def batches(self, train_dataloader, epoch):
-        """The epoch's batches, until the last optimizer step. Its shuffle depends on (seed, epoch)
-        only, and a resumed run skips the batches its checkpoint had seen."""
+    def epoch_batches(self, train_dataloader, epoch):
+        """The epoch's batches, shuffled by (seed, epoch) only; in a resumed run's first epoch,
+        without the batches its checkpoint had seen."""
         train_dataloader.set_epoch(epoch)
         skip = self.resumed["batches_in_epoch"] if epoch == self.resumed["epoch"] else 0
-        batches = self.accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        for self.batches_in_epoch, batch in enumerate(batches, start=skip + 1):
-            yield batch
-            if self.step >= self.schedule.max_train_steps:  # checked once the recipe is done with it
-                return
+        self.batches_in_epoch = skip  # the position a checkpoint records
+        return self.accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
 
-    def step_done(self, batch, loss, grad_norm, overflow: bool) -> bool:
-        """Count the micro-batch; True when it completed an optimizer step (else the recipe goes on
-        accumulating). A skipped fp16 step is named and counted; a run that no loss scale helps stops."""
-        self.telemetry.observe(loss, grad_norm)  # stays on the device: no per-step synchronisation
+    def count_batch(self, batch, loss, grad_norm) -> None:
+        """One more micro-batch of the epoch; its loss, gradient norm (None inside an accumulation
+        window), samples and tokens go into the next log line. Stays on the device: no
+        synchronisation per step."""
+        self.batches_in_epoch += 1
+        self.telemetry.observe(loss, grad_norm)
         self.meter.update(batch)
-        if not self.accelerator.sync_gradients:
-            return False
+
+    def count_optimizer_step(self) -> None:
+        """One more optimizer step (`run.step`), and the progress bar moves."""
         self.step += 1
         self.progress.update(1)
-        # AMP: name the first non-finite module of a skipped fp16 step (--diagnose_overflow: of any step).
-        nonfinite_at = (
-            self.telemetry.first_nonfinite(batch) if overflow or self.args.diagnose_overflow else None
-        )
-        if overflow or nonfinite_at:
-            logger.warning(self.telemetry.nonfinite_message(self.step, overflow, nonfinite_at))
-        if self.telemetry.too_many_skips():  # AMP: no loss scale helps any more; the weights are unchanged
-            if self.args.checkpointing_steps:
-                self.save_checkpoint()
-            raise TrainingDiverged(self.telemetry.stop_message(self.step, nonfinite_at))
-        return True
+
+    def warn_nonfinite(self, batch, overflow: bool) -> None:
+        """AMP: a warning naming the first module whose output or gradient was inf/NaN at this step:
+        after a skipped fp16 step (found by replaying the batch), or every step under
+        --diagnose_overflow (nothing is said of a step that stayed finite)."""
+        self.nonfinite_at = self.telemetry.first_nonfinite(batch)
+        if overflow or self.nonfinite_at:
+            logger.warning(self.telemetry.nonfinite_message(self.step, overflow, self.nonfinite_at))
+
+    def stop_diverged(self) -> None:
+        """AMP: fp16 skipped --max_consecutive_skipped_steps steps in a row, so no loss scale helps:
+        a checkpoint (with --checkpointing_steps; the weights are still those of the last good
+        step), then TrainingDiverged, which the recipe prints as one sentence."""
+        if self.args.checkpointing_steps:
+            self.save_checkpoint()
+        raise TrainingDiverged(self.telemetry.stop_message(self.step, self.nonfinite_at))
 
     def _record(self, values: dict) -> None:
         """Values of this step into the trackers and log_history.jsonl."""
@@ -230,18 +243,22 @@ class TrainingRun:
         self.last_checkpoint = ((self.step, position["epoch"], position["batches_in_epoch"]), path)
         return path
 
-    def stop_if_preempted(self) -> None:
-        """After a SIGTERM/SIGINT: a checkpoint, then exit 143 (SIGTERM) or 130 (SIGINT)."""
-        if self.preemption.should_stop(self.accelerator, self.step):
-            # The checkpoint of this very position if --checkpointing_steps just wrote it (with
-            # several processes the stop comes at a multiple of 10 steps, often one): writing it
-            # again would cost the launcher's grace time and replace a complete checkpoint.
-            position, path = self.last_checkpoint or (None, None)
-            if position != (self.step, self.epoch, self.batches_in_epoch):
-                path = self.save_checkpoint()
-            logger.warning(self.preemption.stop_message(self.step, path))
-            self.ended = True
-            raise SystemExit(self.preemption.exit_code)
+    def preemption_requested(self) -> bool:
+        """Whether a SIGTERM/SIGINT arrived (a scheduler's preemption notice, Ctrl-C). With several
+        processes the ranks agree on it every 10 steps, so that all of them stop at one step."""
+        return self.preemption.should_stop(self.accelerator, self.step)
+
+    def checkpoint_and_exit(self) -> None:
+        """After a SIGTERM/SIGINT: a checkpoint of this step, then exit 143 (SIGTERM) or 130 (SIGINT)."""
+        # The checkpoint of this very position if --checkpointing_steps just wrote it (with
+        # several processes the stop comes at a multiple of 10 steps, often one): writing it
+        # again would cost the launcher's grace time and replace a complete checkpoint.
+        position, path = self.last_checkpoint or (None, None)
+        if position != (self.step, self.epoch, self.batches_in_epoch):
+            path = self.save_checkpoint()
+        logger.warning(self.preemption.stop_message(self.step, path))
+        self.ended = True
+        raise SystemExit(self.preemption.exit_code)
 
     def end_epoch(self) -> None:
         """The epoch's padding share; an evaluation (unless one just ran); --checkpointing_steps epoch."""

@@ -249,12 +249,14 @@ def main(argv=None):
         # --------------------------------------------------------------------- train
         if args.eval_only:  # evaluate the model (or the resumed checkpoint) and stop
             return run.evaluate_only()
-        checkpoint_every = int(args.checkpointing_steps) if str(args.checkpointing_steps).isdigit() else None
         max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still measured
-        model.train()
-        for epoch in run.epochs():
-            for batch in run.batches(train_dataloader, epoch):  # a resumed run skips what its checkpoint saw
+        model.train()  # dropout on (evaluate() turns it off and back on)
+        for epoch in run.epochs():  # a resumed run starts in its checkpoint's epoch
+            # Shuffled by (seed, epoch); a resumed run's first epoch skips what its checkpoint saw.
+            for batch in run.epoch_batches(train_dataloader, epoch):
                 grad_norm = None
+                # accumulate(): no gradient sync and no optimizer step until the window's last
+                # micro-batch; watch(): with --diagnose_overflow, hooks that find inf/NaN outputs.
                 with accelerator.accumulate(model), run.telemetry.watch():
                     loss = model(**batch).loss  # AMP: the forward runs under autocast (prepare); fp32 loss
                     accelerator.backward(loss)  # AMP: fp16: scales the loss by the GradScaler's scale first
@@ -265,11 +267,17 @@ def main(argv=None):
                     # a fused optimizer's skips: the telemetry reads the GradScaler's scale instead.
                     overflow = run.telemetry.after_optimizer_step()
                     if not overflow:
-                        lr_scheduler.step()
-                    optimizer.zero_grad()
-                if not run.step_done(batch, loss, grad_norm, overflow):  # AMP: counts skipped fp16 steps
-                    continue  # inside a gradient-accumulation window
-                if run.step % args.logging_steps == 0 or run.step == run.schedule.max_train_steps:
+                        lr_scheduler.step()  # the learning rate of the next step (warmup, then linear decay)
+                    optimizer.zero_grad()  # the gradients back to zero for the next window
+                run.count_batch(batch, loss, grad_norm)  # its loss, norm and tokens go into the next log line
+                if not accelerator.sync_gradients:
+                    continue  # inside a gradient-accumulation window: no optimizer step yet
+                run.count_optimizer_step()  # run.step += 1; the progress bar moves
+                if overflow or args.diagnose_overflow:  # AMP: fp16 skipped this step (inf/NaN gradients)
+                    run.warn_nonfinite(batch, overflow)  # names the first module whose output was inf/NaN
+                if run.telemetry.too_many_skips():  # AMP: fp16: no loss scale helps any more
+                    run.stop_diverged()  # a checkpoint (with --checkpointing_steps), then the error
+                if run.step % args.logging_steps == 0 or run.step == schedule.max_train_steps:
                     logs = {
                         **run.telemetry.read(),  # AMP: loss, grad_norm; fp16: loss_scale, skipped_steps
                         "learning_rate": lr_scheduler.get_last_lr()[0],
@@ -279,10 +287,13 @@ def main(argv=None):
                     }
                     run.log(logs)  # trackers, log_history.jsonl, progress bar; bf16/fp32 stop on inf/NaN
                 if args.eval_steps and run.step % args.eval_steps == 0:
-                    run.evaluate(epoch + 1)
-                if checkpoint_every and run.step % checkpoint_every == 0:
+                    run.evaluate(epoch + 1)  # every eval split: logged, and kept for eval_results.json
+                if isinstance(args.checkpointing_steps, int) and run.step % args.checkpointing_steps == 0:
                     run.save_checkpoint()  # crash-safe: written aside, renamed when complete
-                run.stop_if_preempted()  # SIGTERM/SIGINT: a checkpoint, then exit 143 / 130
+                if run.preemption_requested():  # SIGTERM/SIGINT: a scheduler's notice, Ctrl-C
+                    run.checkpoint_and_exit()  # a checkpoint of this step, then exit 143 / 130
+                if run.step >= schedule.max_train_steps:
+                    break  # the run's last optimizer step (--max_train_steps or the epochs')
             run.end_epoch()  # padding share; evaluation unless just done; --checkpointing_steps epoch
 
         # --------------------------------------------------------------------- save

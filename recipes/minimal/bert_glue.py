@@ -13,6 +13,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -29,26 +30,36 @@ from amp_recipes import batches, glue  # the task's data: loaded, tokenised
 from amp_recipes.metrics import load_metric  # the task's GLUE metric, shipped so it works offline
 
 DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-DEFAULTS = dict(task_name="mrpc", model_name_or_path="bert-base-uncased", output_dir="outputs/minimal")
-DEFAULTS.update(max_seq_length=128, per_device_train_batch_size=32, per_device_eval_batch_size=64)
-DEFAULTS.update(learning_rate=2e-5, weight_decay=0.01, warmup_ratio=0.1, max_grad_norm=1.0, seed=42)
-DEFAULTS.update(num_train_epochs=3, gradient_accumulation_steps=1, logging_steps=10)
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task_name", default="mrpc", help="The GLUE task: cola, mnli, mrpc, qnli, ...")
     parser.add_argument("--data_dir", default=os.environ.get("GLUE_DIR"), help="GLUE TSVs (else the Hub).")
-    parser.add_argument("--mixed_precision", choices=list(DTYPES), default="no")
+    parser.add_argument("--model_name_or_path", default="bert-base-uncased", help="A Hub id or a folder.")
+    parser.add_argument("--output_dir", default="outputs/minimal", help="Where the model and results go.")
+    parser.add_argument("--mixed_precision", choices=list(DTYPES), default="no", help="fp16, bf16 or no.")
+    parser.add_argument("--max_seq_length", type=int, default=128, help="Longer inputs are truncated.")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=32, help="Sequences per batch.")
+    parser.add_argument(
+        "--per_device_eval_batch_size", type=int, default=64, help="Sequences per eval batch."
+    )
+    parser.add_argument("--learning_rate", type=float, default=2e-5, help="AdamW's peak learning rate.")
+    parser.add_argument("--weight_decay", type=float, default=0.01, help="AdamW's (not on biases, norms).")
+    parser.add_argument("--warmup_ratio", type=float, default=0.1, help="Share of steps warming up.")
+    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip to this norm; 0: no clipping.")
+    parser.add_argument("--seed", type=int, default=42, help="Weights of the new head, shuffling.")
+    parser.add_argument("--num_train_epochs", type=int, default=3, help="Passes over the training set.")
     parser.add_argument("--max_train_steps", type=int, help="Stop after N optimizer steps.")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Batches per step.")
+    parser.add_argument("--logging_steps", type=int, default=10, help="Log the mean loss every N steps.")
     parser.add_argument("--max_train_samples", type=int, help="Use only the first N training examples.")
     parser.add_argument("--max_eval_samples", type=int, help="Use only the first N dev examples.")
-    for name, default in DEFAULTS.items():  # --task_name mrpc etc.: each flag's type is its default's
-        parser.add_argument(f"--{name}", type=type(default), default=default)
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.mixed_precision]
     amp = dtype != torch.float32  # AMP: autocast and padding to multiples of 8 for fp16/bf16 only
@@ -63,9 +74,12 @@ def main(argv=None):
     # AMP: fp16/bf16 batches padded to a multiple of 8, the shapes Tensor Cores run fastest.
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if amp else None)
     sampler = RandomSampler(tokenized["train"], generator=torch.Generator())  # reseeded every epoch
-    batch_size, generator = args.per_device_train_batch_size, torch.Generator()  # off the global RNG
     train_loader = DataLoader(
-        tokenized["train"], batch_size, sampler=sampler, collate_fn=collator, generator=generator
+        tokenized["train"],
+        args.per_device_train_batch_size,
+        sampler=sampler,
+        collate_fn=collator,
+        generator=torch.Generator(),  # the loader's own RNG, off the global one
     )
     eval_loader = DataLoader(tokenized["validation"], args.per_device_eval_batch_size, collate_fn=collator)
 
@@ -86,7 +100,10 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     # ------------------------------------------------------------------------- train
-    history, step, skipped, batch_losses, tokens, positions = [], 0, 0, [], 0, 0
+    max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping (the norm is still measured)
+    step, skipped = 0, 0  # optimizer steps taken; of them, skipped by the GradScaler (fp16)
+    history, window_losses = [], []  # the log lines; the batch losses since the last one
+    tokens, positions = 0, 0  # real tokens and padded positions of the training batches
     started = time.perf_counter()
     model.train()
     for epoch in range(math.ceil(max_steps / steps_per_epoch)):
@@ -97,13 +114,13 @@ def main(argv=None):
             with torch.autocast(device.type, dtype=dtype, enabled=amp):
                 loss = model(**batch).loss
             scaler.scale(loss / args.gradient_accumulation_steps).backward()  # AMP: fp16: loss x scale
-            batch_losses.append(loss.detach())
+            window_losses.append(loss.detach())  # every batch's loss since the last log line
             tokens += batch["attention_mask"].sum()  # stays on the device: no sync per batch
             positions += batch["attention_mask"].numel()
             if i % args.gradient_accumulation_steps and i != len(train_loader):
                 continue  # accumulate the next batch's gradients
             scaler.unscale_(optimizer)  # AMP: gradients / scale, so clipping sees their true norm
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             scale = scaler.get_scale()  # (a host sync on a GPU, the price of reading it every step)
             scaler.step(optimizer)  # AMP: skips optimizer.step() if any gradient is inf/NaN
             scaler.update()  # AMP: halves the scale after an overflow, doubles it after 2000 good steps
@@ -114,11 +131,12 @@ def main(argv=None):
             optimizer.zero_grad()
             step += 1
             if step % args.logging_steps == 0 or step == max_steps:
-                loss_value, lr = torch.stack(batch_losses).mean().item(), scheduler.get_last_lr()[0]
+                loss_value = torch.stack(window_losses).mean().item()  # the mean over the logging window
+                lr = scheduler.get_last_lr()[0]
                 row = dict(step=step, loss=loss_value, grad_norm=grad_norm.item(), learning_rate=lr)
                 history.append({**row, "loss_scale": scaler.get_scale(), "skipped_steps": skipped})  # AMP
                 print(json.dumps(history[-1]), flush=True)
-            batch_losses = []
+                window_losses = []
             if step == max_steps:
                 break
     train_seconds = time.perf_counter() - started
@@ -132,7 +150,8 @@ def main(argv=None):
             predictions = logits.squeeze(-1) if task.is_regression else logits.argmax(dim=-1)
             metric.add_batch(predictions=predictions.cpu(), references=batch["labels"].cpu())
     results = {f"eval_{name}": value for name, value in metric.compute().items()}
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak memory on a CPU: the RSS
+    # Peak memory on a CPU: the peak RSS, which Linux gives in KiB and macOS in bytes.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else rss
     results.update(mixed_precision=args.mixed_precision, train_steps=step, skipped_steps=skipped)
     results.update(train_runtime_seconds=train_seconds, train_tokens=int(tokens), peak_memory_bytes=peak)
