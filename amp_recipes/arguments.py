@@ -37,6 +37,20 @@ def add_worker_args(group) -> None:
     )
 
 
+# transformers' schedules that need nothing but the warm-up and the number of steps; its others need
+# settings of their own (cosine_with_min_lr's min_lr, warmup_stable_decay's decay steps) or a metric
+# at every step (reduce_lr_on_plateau).
+SCHEDULERS = [
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+]
+
+
 def steps_or_epoch(value: str) -> int | str:
     """--checkpointing_steps: a positive number of optimizer steps (an int), or 'epoch'."""
     if value == "epoch":
@@ -56,9 +70,26 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
     train.add_argument("--max_train_steps", type=int, help="Stop after N optimizer steps (overrides epochs).")
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
     train.add_argument(
+        "--lr_scheduler_type",
+        choices=SCHEDULERS,
+        default="linear",
+        help="The learning-rate schedule after the warm-up (transformers' get_scheduler).",
+    )
+    train.add_argument(
         "--warmup_ratio", type=float, default=0.1, help="Fraction of steps with linear LR warm-up."
     )
+    train.add_argument(
+        "--num_warmup_steps",
+        type=int,
+        help="Optimizer steps of linear LR warm-up (overrides --warmup_ratio).",
+    )
     train.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient clipping; 0 turns it off.")
+    train.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Recompute each layer's activations in the backward instead of keeping them: less "
+        "activation memory (a larger batch fits), about a third more compute.",
+    )
     train.add_argument("--seed", type=int, default=42)
     train.add_argument(
         "--torch_compile",
@@ -178,6 +209,7 @@ SHARED_RANGES = {
     "max_train_steps": (lambda v: v >= 1, "at least 1"),
     "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1"),
     "warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "num_warmup_steps": (lambda v: v >= 0, "at least 0"),
     "max_grad_norm": (lambda v: v >= 0, "at least 0 (0 turns clipping off)"),
     "ddp_timeout": (lambda v: v >= 1, "at least 1 (seconds)"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),

@@ -57,6 +57,7 @@ class Schedule(NamedTuple):
     max_train_steps: int
     num_epochs: int
     scheduler_steps: int  # what the LR scheduler must be created with
+    warmup_steps: int  # its warm-up, in the same unit
 
 
 def training_schedule(train_batches: int, accelerator, args) -> Schedule:
@@ -71,8 +72,16 @@ def training_schedule(train_batches: int, accelerator, args) -> Schedule:
     max_train_steps = args.max_train_steps or steps_per_epoch * args.num_train_epochs
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     scheduler_steps = max_train_steps * (1 if deepspeed else accelerator.num_processes)
+    if args.num_warmup_steps is not None:  # optimizer steps, counted as the scheduler counts them
+        warmup_steps = args.num_warmup_steps * (scheduler_steps // max_train_steps)
+    else:
+        warmup_steps = int(args.warmup_ratio * scheduler_steps)
     return Schedule(
-        steps_per_epoch, max_train_steps, math.ceil(max_train_steps / steps_per_epoch), scheduler_steps
+        steps_per_epoch,
+        max_train_steps,
+        math.ceil(max_train_steps / steps_per_epoch),
+        scheduler_steps,
+        warmup_steps,
     )
 
 

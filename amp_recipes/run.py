@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from . import checkpoint, optim, outputs, records
 from .compiling import CompileMonitor
 from .errors import TrainingDiverged, lost_rank_message
+from .memory import gradient_checkpointing_on
 from .meters import ThroughputMeter, peak_memory_bytes
 from .precision import log_fp8_report, log_preflight
 from .telemetry import ActivationMonitor, StepTelemetry
@@ -131,6 +132,7 @@ class TrainingRun:
             "distributed_type": accelerator.distributed_type.value,
             "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
             "attn_implementation": config._attn_implementation,  # SDPA: fused
+            "gradient_checkpointing": gradient_checkpointing_on(self.plain_model),  # as the model says
             "optimizer": optim.describe_optimizer(optimizer),  # read inside DeepSpeed's wrappers too
             "initial_weights_sha256": self.initial_weights,
         }

@@ -29,7 +29,7 @@ from transformers import (
     get_scheduler,
 )
 
-from amp_recipes import arguments, batches, compiling, errors, metrics, ner, optim, precision
+from amp_recipes import arguments, batches, compiling, errors, memory, metrics, ner, optim, precision
 from amp_recipes.run import TrainingRun
 
 logger = get_logger(__name__)
@@ -253,13 +253,16 @@ def main(argv=None):
             model = load_model(args, config, task)
         # AMP: fp32 weights (no .half()): autocast needs fp32 master weights.
         precision.check_model_dtype(model, in_effect["precision_in_effect"], accelerator.distributed_type)
+        if args.gradient_checkpointing:  # less activation memory for a third more compute
+            memory.enable_gradient_checkpointing(model)  # each layer recomputed in the backward
         run.fingerprint(model)  # sha256 of the weights as loaded; the arms of a paired run start equal
 
         # --------------------------------------------------------------------- optimizer
         optimizer = optim.make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
         schedule = optim.training_schedule(len(train_dataloader), accelerator, args)  # steps per process
+        # --lr_scheduler_type (linear, cosine, ...) after a linear warm-up of schedule.warmup_steps.
         lr_scheduler = get_scheduler(
-            "linear", optimizer, int(args.warmup_ratio * schedule.scheduler_steps), schedule.scheduler_steps
+            args.lr_scheduler_type, optimizer, schedule.warmup_steps, schedule.scheduler_steps
         )
 
         # --------------------------------------------------------------------- prepare
@@ -303,7 +306,7 @@ def main(argv=None):
                     # a fused optimizer's skips: the telemetry reads the GradScaler's scale instead.
                     overflow = run.telemetry.after_optimizer_step()
                     if not overflow:
-                        lr_scheduler.step()  # the learning rate of the next step (warmup, then linear decay)
+                        lr_scheduler.step()  # the learning rate of the next step (warm-up, then the schedule)
                     optimizer.zero_grad()  # the gradients back to zero for the next window
                 run.count_batch(batch, loss, grad_norm)  # its loss, norm and tokens go into the next log line
                 if not accelerator.sync_gradients:

@@ -4,6 +4,7 @@
     accelerate launch scripts/benchmark_precision.py --arms fp32,tf32,fp16,bf16 --report_to wandb
     python scripts/benchmark_precision.py --arms fp32,bf16 --memory_budget_gb 6   # on a CPU
     python scripts/benchmark_precision.py --arms fp32,fp16,fp32+compile,fp16+compile --no_search
+    python scripts/benchmark_precision.py --arms fp32,fp16,fp16+gradient_checkpointing   # the other memory lever
     python scripts/benchmark_precision.py --head qa --seq_len 384 --arms fp32,fp16,bf16   # SQuAD's shape
     python scripts/benchmark_precision.py --arms fp32,bf16,fp8,bf16+compile,fp8+compile   # Ada/Hopper, torchao
 
@@ -41,6 +42,8 @@ ARMS = {  # arm -> (accelerate mixed_precision, TF32 matmuls allowed)
     "fp8": ("fp8", False),  # Linear layers in fp8 (--fp8_backend), the rest bf16: Ada/Hopper GPUs only
 }
 COMPILED = "+compile"
+CHECKPOINTED = "+gradient_checkpointing"
+MODIFIERS = (CHECKPOINTED, COMPILED)  # in this order after the precision: fp16+gradient_checkpointing+compile
 HEADS = {  # --head -> (transformers auto class, labels of the synthetic batches)
     "sequence": ("AutoModelForSequenceClassification", 2),
     "token": ("AutoModelForTokenClassification", 9),  # CoNLL-2003's 9 tags
@@ -49,8 +52,16 @@ HEADS = {  # --head -> (transformers auto class, labels of the synthetic batches
 
 
 def precision_of(arm: str) -> str:
-    """The precision part of an arm's name: "fp16" for "fp16" and "fp16+compile"."""
-    return arm.removesuffix(COMPILED)
+    """The precision part of an arm's name: "fp16" for "fp16", "fp16+compile" and
+    "fp16+gradient_checkpointing"."""
+    for modifier in reversed(MODIFIERS):
+        arm = arm.removesuffix(modifier)
+    return arm
+
+
+def without_checkpointing(arm: str) -> str:
+    """The arm that differs from `arm` only by keeping its activations."""
+    return arm.replace(CHECKPOINTED, "")
 
 
 def parse_args(argv=None):
@@ -59,7 +70,9 @@ def parse_args(argv=None):
         "--arms",
         default="fp32,tf32,fp16,bf16",
         help="Comma-separated subset of fp32,tf32,fp16,bf16,fp8; add +compile to one (fp16+compile) for "
-        "the same arm under torch.compile (compile time reported apart from step time).",
+        "the same arm under torch.compile (compile time reported apart from step time), and/or "
+        "+gradient_checkpointing (fp16+gradient_checkpointing) for it with gradient checkpointing, "
+        "compared with the arm without it when that one runs too.",
     )
     parser.add_argument(
         "--fp8_backend",
@@ -127,7 +140,10 @@ def parse_args(argv=None):
     args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
     unknown = [arm for arm in args.arms if precision_of(arm) not in ARMS]
     if unknown or not args.arms:
-        parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)} (each may end in {COMPILED}).")
+        parser.error(
+            f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)} (each may end in "
+            f"{' and/or '.join(MODIFIERS)}, in that order)."
+        )
     if args.model_name_or_path and args.config_name:
         parser.error(
             "use --model_name_or_path (pretrained weights) or --config_name (random weights), not both."
@@ -296,6 +312,7 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     from amp_recipes.compiling import CompileMonitor, dynamo_plugin
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
     from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
+    from amp_recipes.memory import enable_gradient_checkpointing, gradient_checkpointing_on
     from amp_recipes.optim import make_optimizer
     from amp_recipes.precision import describe_precision, fp8_layer_report, fp8_recipe_kwargs
 
@@ -323,6 +340,8 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     baseline = start_memory_window(device)
     set_seed(config["seed"])  # same initial weights in every arm
     model = build_model(config)
+    if CHECKPOINTED in arm:  # the recipes' --gradient_checkpointing
+        enable_gradient_checkpointing(model)
     steps = warmup_steps + timed_steps
     batches = make_batches(config, model.config, batch_size, steps)
     # The recipes' own optimizer (fused AdamW where torch has it, no decay on biases and norms).
@@ -339,6 +358,7 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
         # fp8: backend, its version, the Linear layers converted and their share of the FLOPs.
         **fp8_layer_report(accelerator, model, config["seq_len"]),
         "tf32_matmul": tf32_matmul_enabled(),  # this arm's own setting, not the parent's
+        "gradient_checkpointing": gradient_checkpointing_on(accelerator.unwrap_model(model)),
     }
     if precision_of(arm) == "tf32":
         hardware = hardware_record(device)
@@ -632,6 +652,18 @@ def compare(results: dict) -> None:
             )
         result["ratios_vs_fp32"] = ratios
         result["loss_vs_fp32"] = relative_difference(result["losses"], base["losses"])
+    for arm, result in results.items():  # gradient checkpointing against the same arm without it
+        kept = results.get(without_checkpointing(arm))
+        if CHECKPOINTED not in arm or not result.get("fits") or not kept or not kept.get("fits"):
+            continue
+        ratios = {
+            "memory_drop_percent": 100.0 * (1 - result["peak_memory_bytes"] / kept["peak_memory_bytes"]),
+            "speedup": result["samples_per_second"] / kept["samples_per_second"],  # below 1: the recompute
+        }
+        if result.get("max_batch_size") and kept.get("max_batch_size"):
+            if not (result.get("capped_at_search_max") or kept.get("capped_at_search_max")):
+                ratios["headroom"] = result["max_batch_size"] / kept["max_batch_size"]
+        result["ratios_vs_without_checkpointing"] = ratios
 
 
 def markdown_table(results: dict) -> str:
@@ -685,6 +717,14 @@ def markdown_table(results: dict) -> str:
     notes += [
         f"- {arm}: no ratio, {r['no_ratio_reason']}" for arm, r in results.items() if r.get("no_ratio_reason")
     ]
+    for arm, r in results.items():
+        ratios = r.get("ratios_vs_without_checkpointing")
+        if ratios:
+            headroom = f", headroom {ratios['headroom']:.2f}x" if "headroom" in ratios else ""
+            notes.append(
+                f"- {arm} against {without_checkpointing(arm)} (gradient checkpointing alone): peak memory "
+                f"{-ratios['memory_drop_percent']:+.1f}%{headroom}, speed {ratios['speedup']:.2f}x"
+            )
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 

@@ -58,6 +58,16 @@ IN_EFFECT = {
     "bf16": ("bf16",),
     "fp8": ("fp8",),
 }  # what counts as the arm
+# A modifier of any arm: the same arm with the recipe's --gradient_checkpointing, the other memory
+# lever (fp16+gradient_checkpointing); compared with fp32 like any arm, and with the arm without it.
+CHECKPOINTED = "+gradient_checkpointing"
+
+
+def precision_of(arm: str) -> str:
+    """The precision part of an arm's name: "fp16" for "fp16" and "fp16+gradient_checkpointing"."""
+    return arm.removesuffix(CHECKPOINTED)
+
+
 # Flags the pairing sets on every run; passing them to the recipe would break the pairing.
 OWNED = [
     "mixed_precision",
@@ -257,12 +267,16 @@ def parse_arms(parser, text: str) -> list[str]:
             )
         print(f"--arms auto: fp32 and {chosen} ({reason})")
         return ["fp32", chosen]
-    unknown = [arm for arm in arms if arm not in ARM_PRECISION]
+    unknown = [arm for arm in arms if precision_of(arm) not in ARM_PRECISION]
     if unknown or not arms:
-        parser.error(f"--arms: unknown {unknown or text!r}; choose from {', '.join(ARM_PRECISION)} or auto.")
+        parser.error(
+            f"--arms: unknown {unknown or text!r}; choose from {', '.join(ARM_PRECISION)} (each may end in "
+            f"{CHECKPOINTED}) or auto."
+        )
     if arms[0] != "fp32" or len(arms) < 2 or len(set(arms)) != len(arms):
         parser.error(
-            f"--arms {text}: start with fp32 (the baseline) and add fp16, bf16 and/or fp8, once each."
+            f"--arms {text}: start with fp32 (the baseline) and add fp16, bf16 and/or fp8, once each "
+            f"(and any of them, fp32 too, with {CHECKPOINTED})."
         )
     return arms
 
@@ -288,6 +302,13 @@ def check_recipe_args(parser, args) -> dict:
                 f"the flags for {args.recipe_path.name} above are not valid: {shlex.join(args.recipe_args)}"
             )
         raise
+    if getattr(parsed, "gradient_checkpointing", False) and any(
+        arm.endswith(CHECKPOINTED) for arm in args.arms
+    ):
+        parser.error(
+            f"--gradient_checkpointing in the recipe's flags turns it on in every arm; drop it, or the "
+            f"{CHECKPOINTED} arms, which compare an arm with and without it."
+        )
     taken = [f"--{name}" for name in OWNED if getattr(raw, name, None) != recipe_parser.get_default(name)]
     if taken:
         parser.error(
@@ -308,7 +329,9 @@ def launch_command(args, arm: str, seed: int, folder: Path) -> list[str]:
         launcher += ["--config_file", args.accelerate_config]
     flags = [
         *args.recipe_args,
-        *("--mixed_precision", ARM_PRECISION[arm], "--seed", str(seed), "--output_dir", str(folder)),
+        *("--mixed_precision", ARM_PRECISION[precision_of(arm)]),
+        *(["--gradient_checkpointing"] if arm.endswith(CHECKPOINTED) else []),
+        *("--seed", str(seed), "--output_dir", str(folder)),
         *("--run_name", f"{args.group}-{arm}-seed{seed}", "--wandb_group", args.group),
         *("--wandb_job_type", arm, "--wandb_tags", f"{arm},seed{seed},paired"),
     ]
@@ -495,7 +518,7 @@ def compare(args, runs: list[dict]) -> dict:
         if not ran:
             versus[arm] = {"no_ratio_reason": f"no {arm} run finished"}
             continue
-        if any(p not in IN_EFFECT[arm] for p in ran):
+        if any(p not in IN_EFFECT[precision_of(arm)] for p in ran):
             versus[arm] = {
                 "no_ratio_reason": f"requested {arm} but ran {', '.join(sorted(set(ran)))} (e.g. fp16 on a CPU, "
                 "which accelerate runs in fp32): no ratio and no verdict"
@@ -525,6 +548,28 @@ def compare(args, runs: list[dict]) -> dict:
             paired = [s for s in seeds if name in arm_r[s] and name in base[s]]
             interval = paired_interval([arm_r[s][name] - base[s][name] for s in paired])
             versus[arm]["metrics"][name] = {**interval, "verdict": verdict(arm, interval)}
+    without_checkpointing = {}  # gradient checkpointing alone: each such arm against the arm keeping activations
+    for arm in args.arms:
+        kept = precision_of(arm)
+        if arm == kept or kept not in args.arms or "no_ratio_reason" in versus.get(arm, {}):
+            continue
+        seeds = [s for s in args.seeds if (arm, s) in results and (kept, s) in results and s not in unpaired]
+        without_checkpointing[arm] = {
+            "against": kept,
+            "seeds": seeds,
+            "speedup": mean_sd(
+                [
+                    results[arm, s]["train_samples_per_second"] / results[kept, s]["train_samples_per_second"]
+                    for s in seeds
+                ]
+            ),
+            "memory_drop_percent": mean_sd(
+                [
+                    100 * (1 - results[arm, s]["peak_memory_bytes"] / results[kept, s]["peak_memory_bytes"])
+                    for s in seeds
+                ]
+            ),
+        }
     hardware_keys = ("device_name", "device_type", "num_processes", "distributed_type", "torch_threads")
     first = next(iter(results.values()), {})
     rows = []  # every arm x seed, as its eval_results.json has it (a run that did not finish: status only)
@@ -548,6 +593,7 @@ def compare(args, runs: list[dict]) -> dict:
         "unpaired_seeds": unpaired,
         "per_arm": arms,
         "vs_fp32": versus,
+        "vs_without_checkpointing": without_checkpointing,
         "statistics": "paired t: 95% confidence interval of the mean per-seed difference (arm - fp32)",
     }
 
@@ -613,6 +659,19 @@ def markdown(comparison: dict, headroom: dict | None) -> str:
             ci = "—" if math.isnan(m["ci"][0]) else f"[{m['ci'][0]:+.4f}, {m['ci'][1]:+.4f}]"
             lines.append(f"| {name} | {m['mean']:+.4f} | {ci} | {m['verdict']} |")
         lines.append("")
+    for arm, v in comparison.get("vs_without_checkpointing", {}).items():
+        lines += [
+            f"**{arm} vs {v['against']}** (gradient checkpointing alone, paired by seed, {len(v['seeds'])} "
+            f"seed(s)): speedup {fmt(v['speedup'], digits=3)}x, peak-memory drop "
+            f"{fmt(v['memory_drop_percent'], digits=3)}%"
+            + (
+                f", batch headroom {headroom['headroom_without_checkpointing'][arm]:.2f}x"
+                if headroom and (headroom.get("headroom_without_checkpointing") or {}).get(arm)
+                else ""
+            )
+            + ".",
+            "",
+        ]
     if comparison["unpaired_seeds"]:
         lines += [
             f"Seeds {comparison['unpaired_seeds']} are left out of the ratios: their arms did not start from "
@@ -697,6 +756,11 @@ def measure_headroom(args) -> dict:
         "max_batch_size": {arm: r.get("max_batch_size") for arm, r in arms.items()},
         "capped_at_search_max": {arm: bool(r.get("capped_at_search_max")) for arm, r in arms.items()},
         "headroom": {arm: (arms[arm].get("ratios_vs_fp32") or {}).get("headroom") for arm in args.arms[1:]},
+        "headroom_without_checkpointing": {
+            arm: (arms[arm].get("ratios_vs_without_checkpointing") or {}).get("headroom")
+            for arm in args.arms
+            if arm.endswith(CHECKPOINTED)
+        },
         "memory_budget_gb": bench["config"].get("memory_budget_gb"),  # the search's cap, as it ran
         "note": bench.get("search_note")
         or f"largest batch at {bench['config']['seq_len']} tokens, {head} head, from {results_file}",
@@ -732,6 +796,13 @@ def comparison_summary(comparison: dict) -> dict:
             summary[f"{arm}/{name}/difference"] = metric["mean"]
             summary[f"{arm}/{name}/ci_low"], summary[f"{arm}/{name}/ci_high"] = metric["ci"]
             summary[f"{arm}/{name}/verdict"] = metric["verdict"]
+    for arm, versus in comparison.get("vs_without_checkpointing", {}).items():
+        for figure in ("speedup", "memory_drop_percent"):
+            summary[f"{arm}/vs_{versus['against']}/{figure}"] = versus[figure]["mean"]
+        if headroom:
+            summary[f"{arm}/vs_{versus['against']}/headroom_ratio"] = (
+                headroom.get("headroom_without_checkpointing") or {}
+            ).get(arm)
     return summary
 
 

@@ -182,6 +182,65 @@ def test_fp16_resume_keeps_loss_scale_and_growth_tracker(recipe, tmp_path, monke
     assert record["grad_scaler"]["scale"] == scalers[0]["scale"] and record["mixed_precision"] == "fp16"
 
 
+def test_the_chosen_lr_schedule_runs_and_resumes_exactly(recipe, tmp_path, monkeypatch):
+    """--lr_scheduler_type cosine with --num_warmup_steps 3: the logged learning rates are
+    transformers' cosine schedule with that warm-up, step for step, and a run stopped mid-epoch
+    and resumed from its checkpoint logs the same rates and losses as the uninterrupted one."""
+    import math
+
+    argv = [*TINY, "--max_train_samples", 64, "--num_train_epochs", 2, "--checkpointing_steps", 3]
+    argv += ["--lr_scheduler_type", "cosine", "--num_warmup_steps", 3, "--warmup_ratio", 0.5]
+    train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(5))  # 8 steps an epoch
+    with pytest.raises(SystemExit) as stopped:
+        train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed")])
+    assert stopped.value.code == 143
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
+    train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"])
+    assert_same_training(tmp_path / "reference", tmp_path / "resumed")
+
+    # The rate after optimizer step k, as transformers' get_cosine_schedule_with_warmup computes it.
+    def cosine(step, warmup=3, total=16, peak=1e-3):
+        if step < warmup:
+            return peak * step / warmup
+        return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+    rates = [row["learning_rate"] for row in history(tmp_path / "reference") if "learning_rate" in row]
+    assert rates == pytest.approx([cosine(step) for step in range(1, 17)], rel=1e-9, abs=1e-12)
+
+
+def test_gradient_checkpointing_recomputes_trains_the_same_and_resumes_exactly(recipe, tmp_path, monkeypatch):
+    """--gradient_checkpointing: every encoder layer's attention runs twice a step (the recompute in
+    the backward), the training is the run without it, bit for bit (fp32, dropout's random state
+    kept for the recompute), and a run stopped mid-epoch resumes to the same end."""
+    from conftest import on_model_load
+
+    argv = [*TINY, "--max_train_samples", 64, "--num_train_epochs", 2, "--checkpointing_steps", 3]
+    train(recipe, [*argv, "--output_dir", str(tmp_path / "kept")])  # activations kept
+    calls = []
+    on_model_load(
+        monkeypatch,
+        recipe,
+        "AutoModelForSequenceClassification",
+        # Inside the layer: transformers (5.2x) keeps the layer's own hooks out of the recompute.
+        lambda model: model.bert.encoder.layer[0].attention.register_forward_hook(
+            lambda *_: calls.append(model.training)
+        ),
+    )
+    argv.append("--gradient_checkpointing")
+    results = train(recipe, [*argv, "--output_dir", str(tmp_path / "recomputed")])
+    assert results["gradient_checkpointing"] is True
+    assert calls.count(True) == 2 * 16  # 16 optimizer steps of one batch: forward + recompute
+    assert_same_training(tmp_path / "kept", tmp_path / "recomputed")
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(5))
+    with pytest.raises(SystemExit) as stopped:
+        train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed")])
+    assert stopped.value.code == 143
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
+    train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"])
+    assert_same_training(tmp_path / "recomputed", tmp_path / "resumed")
+
+
 @contextlib.contextmanager
 def file_size_limit(limit_bytes):
     """A real kernel limit on the size of any file this process writes (RLIMIT_FSIZE): a write past

@@ -81,6 +81,7 @@ MODES = {  # mode -> (recipe flags, how it is launched: in this process, two DDP
     "fp8": (["--mixed_precision", "fp8"], None),
     "fp16": (["--mixed_precision", "fp16"], None),
     "compile": (COMPILE, None),
+    "gradient_checkpointing": (["--gradient_checkpointing"], None),
     "ddp": ([], "ddp"),
     "ddp+compile": (COMPILE, "ddp"),
     # The configs ask for fp16: each row names its precision (the recipe's flag wins over the config).
@@ -99,7 +100,7 @@ TWO_PROCESSES = ["--multi_gpu", "--num_processes", 2, "--num_cpu_threads_per_pro
 # saved model's: the multi-process runs evaluated in two processes (other batches, so other padded
 # lengths), and bf16/fp16/fp8 round inside autocast, where a different batch layout changes the last
 # bits. (The bf16 and fp8 engine rows are ENGINE_EVAL's.)
-EXACT = {"fp32", "compile", "bf16", "fp8", "fp16"}
+EXACT = {"fp32", "compile", "bf16", "fp8", "fp16", "gradient_checkpointing"}
 TOLERANCE = 1e-4
 
 
@@ -249,6 +250,7 @@ def test_trains_saves_reloads_and_scores_the_same(
         assert results["precision_in_effect"] == "bf16"
     if mode.endswith("compile"):
         assert results["compiled_graphs"] > 0
+    assert results["gradient_checkpointing"] is (mode == "gradient_checkpointing")
 
     # The final model, as a user reloads it: the recipe's Auto class, every key found, the saved tensors.
     saved = load_file(str(output_dir / "model.safetensors"))

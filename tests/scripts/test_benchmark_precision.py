@@ -250,11 +250,36 @@ def test_compiled_arm_reports_compile_time_apart_from_step_time(tmp_path):
     assert "| compile (s) |" in (output_dir / "results.md").read_text()
 
 
+def test_gradient_checkpointing_arm_is_compared_with_the_same_arm_keeping_its_activations(tmp_path):
+    """fp32+gradient_checkpointing: the recipes' --gradient_checkpointing in the benchmark. Same
+    losses as fp32 (only the memory/compute trade changes), less peak memory, and its own ratios
+    against fp32 (what checkpointing alone buys) in results.json and results.md."""
+    output_dir = tmp_path / "out"
+    argv = [SCRIPT, "--config_name", TINY_BERT, "--arms", "fp32,fp32+gradient_checkpointing"]
+    argv += ["--seq_len", 128, "--batch_size", 32, "--warmup_steps", 1, "--timed_steps", 2, "--no_search"]
+    result = run([sys.executable, *argv, "--output_dir", output_dir], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    arms = json.loads((output_dir / "results.json").read_text())["arms"]
+    kept, recomputed = arms["fp32"], arms["fp32+gradient_checkpointing"]
+    assert (kept["gradient_checkpointing"], recomputed["gradient_checkpointing"]) == (False, True)
+    assert recomputed["losses"] == pytest.approx(kept["losses"], rel=1e-6)
+    assert recomputed["peak_memory_bytes"] < kept["peak_memory_bytes"]
+    ratios = recomputed["ratios_vs_without_checkpointing"]
+    assert ratios["memory_drop_percent"] > 0 and ratios["speedup"] < 1  # the recompute is not free
+    assert (
+        "- fp32+gradient_checkpointing against fp32 (gradient checkpointing alone): peak memory -"
+        in (output_dir / "results.md").read_text()
+    )
+
+
 def test_bad_arm_is_refused(tmp_path):
-    result = run([sys.executable, SCRIPT, "--arms", "fp32,int8,fp16+jit"], tmp_path)
+    result = run(
+        [sys.executable, SCRIPT, "--arms", "fp32,int8,fp16+jit,fp16+compile+gradient_checkpointing"], tmp_path
+    )
     assert result.returncode == 2
     assert (
-        "unknown arm(s) ['int8', 'fp16+jit']; choose from fp32, tf32, fp16, bf16, fp8 (each may end in +compile)."
+        "unknown arm(s) ['int8', 'fp16+jit', 'fp16+compile+gradient_checkpointing']; choose from fp32, tf32, "
+        "fp16, bf16, fp8 (each may end in +gradient_checkpointing and/or +compile, in that order)."
         in result.stderr
     )
 

@@ -127,6 +127,68 @@ def test_an_emulated_fp8_arm_gets_a_verdict_but_no_speed_or_memory(tmp_path):
     paired.plot(comparison, tmp_path / "comparison.png")
 
 
+def test_a_gradient_checkpointing_arm_is_compared_with_fp32_and_with_the_arm_keeping_activations(tmp_path):
+    """bf16+gradient_checkpointing: the bf16 arm again with the recipe's --gradient_checkpointing.
+    Against fp32 like any arm (what both levers buy), and against bf16 (what checkpointing alone
+    buys: less memory, a slower step), paired by seed, in comparison.json, the report and W&B's summary."""
+    runs = []
+    for seed in (1, 2, 3):
+        for arm, speed, memory, ran in (
+            ("fp32", 10.0, 4e9, "fp32"),
+            ("bf16", 12.0, 3e9, "bf16"),
+            ("bf16+gradient_checkpointing", 9.0 + seed / 10, 2e9, "bf16"),
+        ):
+            folder = tmp_path / f"{arm}-seed{seed}"
+            write_run(folder, **figures(0.8, speed, memory, ran, sha=f"init-{seed}"))
+            runs.append({"arm": arm, "seed": seed, "run_dir": str(folder), "status": "finished"})
+    arms = ["fp32", "bf16", "bf16+gradient_checkpointing"]
+    comparison = paired.compare(fake_args(arms, [1, 2, 3]), runs)
+    both = comparison["vs_fp32"]["bf16+gradient_checkpointing"]
+    assert both["memory_drop_percent"]["values"] == pytest.approx([50.0, 50.0, 50.0])
+    alone = comparison["vs_without_checkpointing"]["bf16+gradient_checkpointing"]
+    assert alone["against"] == "bf16" and alone["seeds"] == [1, 2, 3]
+    assert alone["memory_drop_percent"]["values"] == pytest.approx([100 / 3] * 3)
+    assert alone["speedup"]["values"] == pytest.approx([9.1 / 12, 9.2 / 12, 9.3 / 12])
+    assert list(comparison["vs_without_checkpointing"]) == ["bf16+gradient_checkpointing"]
+    text = paired.markdown(comparison, None)
+    assert (
+        "**bf16+gradient_checkpointing vs bf16** (gradient checkpointing alone, paired by seed, 3 seed(s)): "
+        "speedup 0.767 ± 0.0083x, peak-memory drop 33.3 ± 0%." in text
+    )
+    summary = paired.comparison_summary(comparison)
+    assert summary["bf16+gradient_checkpointing/vs_bf16/memory_drop_percent"] == pytest.approx(100 / 3)
+    assert summary["bf16+gradient_checkpointing/memory_drop_percent"] == pytest.approx(50.0)
+
+
+def test_the_gradient_checkpointing_arm_passes_the_flag_to_its_runs_only(tmp_path):
+    args = parse("--arms", "fp32,fp32+gradient_checkpointing", "--output_dir", str(tmp_path / "pair"))
+    assert args.arms == ["fp32", "fp32+gradient_checkpointing"]
+    plain = paired.launch_command(args, "fp32", 1, tmp_path / "a")
+    checkpointed = paired.launch_command(args, "fp32+gradient_checkpointing", 1, tmp_path / "b")
+    assert "--gradient_checkpointing" not in plain and checkpointed.count("--gradient_checkpointing") == 1
+    assert checkpointed[checkpointed.index("--mixed_precision") + 1] == "no"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--arms", "fp32,fp16+compile"],
+            "unknown ['fp16+compile']; choose from fp32, fp16, bf16, fp8 (each",
+        ),
+        (
+            ["--arms", "fp32,bf16+gradient_checkpointing", "--gradient_checkpointing"],
+            "turns it on in every arm",
+        ),
+    ],
+)
+def test_gradient_checkpointing_arms_are_checked_before_any_run(argv, message, capsys):
+    with pytest.raises(SystemExit) as error:
+        paired.parse_args([*argv, *glue_flags()])
+    assert error.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_a_seed_whose_arms_started_from_different_weights_is_left_out(tmp_path):
     runs = []
     for seed in (1, 2):
