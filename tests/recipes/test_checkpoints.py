@@ -142,6 +142,17 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
 # ----------------------------------------------------------------------------- in process
 
 
+def stopped_and_resumed(recipe, argv, output_dir, monkeypatch, stop_step) -> dict:
+    """A SIGTERM during optimizer step `stop_step` (exit 143 after its checkpoint), then the same
+    command with --resume_from_checkpoint latest: the resumed run's results."""
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(stop_step))
+    with pytest.raises(SystemExit) as stopped:
+        train(recipe, [*argv, "--output_dir", str(output_dir)])
+    assert stopped.value.code == 143
+    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
+    return train(recipe, [*argv, "--output_dir", str(output_dir), "--resume_from_checkpoint", "latest"])
+
+
 def test_fp16_resume_keeps_loss_scale_and_growth_tracker(recipe, tmp_path, monkeypatch):
     argv = [
         *TINY,
@@ -156,14 +167,8 @@ def test_fp16_resume_keeps_loss_scale_and_growth_tracker(recipe, tmp_path, monke
     ]
     monkeypatch.setattr(recipe, "Accelerator", Fp16OnCpu)
     train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(7))  # mid-epoch: 12 steps an epoch
-    with pytest.raises(SystemExit) as stopped:
-        train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed")])
-    assert stopped.value.code == 143
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
-    results = train(
-        recipe, [*argv, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"]
-    )
+    # mid-epoch: 12 steps an epoch
+    results = stopped_and_resumed(recipe, argv, tmp_path / "resumed", monkeypatch, stop_step=7)
     assert results["precision_in_effect"] == "fp16"
     assert_same_training(
         tmp_path / "reference",
@@ -191,12 +196,7 @@ def test_the_chosen_lr_schedule_runs_and_resumes_exactly(recipe, tmp_path, monke
     argv = [*TINY, "--max_train_samples", 64, "--num_train_epochs", 2, "--checkpointing_steps", 3]
     argv += ["--lr_scheduler_type", "cosine", "--num_warmup_steps", 3, "--warmup_ratio", 0.5]
     train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(5))  # 8 steps an epoch
-    with pytest.raises(SystemExit) as stopped:
-        train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed")])
-    assert stopped.value.code == 143
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
-    train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"])
+    stopped_and_resumed(recipe, argv, tmp_path / "resumed", monkeypatch, stop_step=5)  # 8 steps an epoch
     assert_same_training(tmp_path / "reference", tmp_path / "resumed")
 
     # The rate after optimizer step k, as transformers' get_cosine_schedule_with_warmup computes it.
@@ -232,12 +232,7 @@ def test_gradient_checkpointing_recomputes_trains_the_same_and_resumes_exactly(r
     assert results["gradient_checkpointing"] is True
     assert calls.count(True) == 2 * 16  # 16 optimizer steps of one batch: forward + recompute
     assert_same_training(tmp_path / "kept", tmp_path / "recomputed")
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(5))
-    with pytest.raises(SystemExit) as stopped:
-        train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed")])
-    assert stopped.value.code == 143
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
-    train(recipe, [*argv, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"])
+    stopped_and_resumed(recipe, argv, tmp_path / "resumed", monkeypatch, stop_step=5)
     assert_same_training(tmp_path / "recomputed", tmp_path / "resumed")
 
 
