@@ -196,6 +196,16 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         "--resume_from_checkpoint", help="'latest' (in <output_dir>/checkpoints) or a checkpoint path."
     )
     output.add_argument("--save_total_limit", type=int, help="Keep only the newest K complete checkpoints.")
+    output.add_argument(
+        "--push_to_hub",
+        action="store_true",
+        help="Upload the output folder (model, tokenizer, model card, results; no checkpoints) to the Hub "
+        "once the run has finished; refused before training when it cannot work (offline, no token).",
+    )
+    output.add_argument("--hub_model_id", help="The Hub repo to push to (default: the output folder's name).")
+    output.add_argument(
+        "--hub_token", help="A Hub token with write access (default: HF_TOKEN or `hf auth login`)."
+    )
 
 
 # Every numeric flag the recipes share, with the values it accepts (a recipe adds its own):

@@ -47,7 +47,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from . import checkpoint, optim, outputs, records
+from . import checkpoint, hub, optim, outputs, records
 from .compiling import CompileMonitor
 from .errors import TrainingDiverged, lost_rank_message
 from .memory import gradient_checkpointing_on
@@ -64,6 +64,7 @@ class TrainingRun:
     def __init__(self, accelerator, args, precision: dict):
         self.accelerator, self.args, self.precision = accelerator, args, precision
         log_preflight(precision, logger)  # AMP: the precision in effect, who chose it, warnings
+        hub.check_push_to_hub(args)  # --push_to_hub that cannot work is refused before anything starts
         self.output = outputs.claim_output_dir(accelerator, args)  # refuses a folder that holds a run
         set_seed(args.seed)
         self.checkpoints_dir = Path(args.output_dir) / "checkpoints"
@@ -136,7 +137,7 @@ class TrainingRun:
             "optimizer": optim.describe_optimizer(optimizer),  # read inside DeepSpeed's wrappers too
             "initial_weights_sha256": self.initial_weights,
         }
-        run_config = {**vars(args), **self.facts, **schedule._asdict()}
+        run_config = hub.redacted({**vars(args), **self.facts, **schedule._asdict()})  # no Hub token
         self.output.clear_previous_run(accelerator)  # --overwrite_output_dir: the old run's checkpoints go
         records.init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
         self.record = records.RunRecord(args.output_dir, accelerator.is_main_process, self.step or None)
@@ -303,8 +304,12 @@ class TrainingRun:
             if accelerator.is_main_process:
                 outputs.write_saved_dtype(folder, state_dict)  # config.json says fp32, as the weights are
                 tokenizer.save_pretrained(folder)
+                # README.md: task, data, precision, settings, command, dev scores (model-index metadata)
+                hub.model_card(self.plain_model, self.args, summary, self.identity).save(folder / "README.md")
         self.record.write_results(summary)  # written last: its presence means the run finished
         records.write_final_figures(accelerator, summary, self.step)  # W&B run summary, TensorBoard
         logger.info(f"Saved model and eval_results.json to {self.args.output_dir}: {summary}")
+        if self.args.push_to_hub and accelerator.is_main_process:
+            logger.info(f"Uploaded to {hub.push_to_hub(Path(self.args.output_dir), self.args)}")
         self.ended = True
         return summary

@@ -338,7 +338,7 @@ def main(argv=None):
                 if run.step % args.logging_steps == 0 or run.step == schedule.max_train_steps:
                     logs = {
                         **run.telemetry.read(),  # AMP: loss, grad_norm; fp16: loss_scale, skipped_steps
-                        "learning_rate": lr_scheduler.get_last_lr()[0],
+                        "learning_rate": lr_scheduler.get_last_lr()[0],  # the rate the next step will use
                         "epoch": run.step / schedule.steps_per_epoch,
                         **run.meter.read(accelerator),  # samples/s, tokens/s, padding since the last log line
                         **run.activation_ranges(),  # AMP: fp16_range/<module>: max |activation| / 65504

@@ -312,3 +312,111 @@ def test_the_documented_pipeline_snippet_runs_on_a_runs_output_folder(tmp_path, 
     answer = ast.literal_eval(capsys.readouterr().out.strip())  # as the snippet's comment shows it
     assert answer.keys() == {"label", "score"}
     assert answer["label"] in ("equivalent", "not_equivalent") and 0 < answer["score"] <= 1
+
+
+# ----------------------------------------------------------------------------- the Hub
+def test_push_to_hub_offline_is_refused_before_anything_starts(recipe, tmp_path, capsys):
+    """This machine is offline (HF_HUB_OFFLINE=1, as every test process): one sentence, exit 1,
+    no output folder."""
+    from conftest import train
+
+    from amp_recipes.errors import one_sentence_errors
+
+    with pytest.raises(SystemExit) as stopped, one_sentence_errors():
+        train(recipe, glue_flags(output_dir=tmp_path / "out", push_to_hub=True, max_train_steps=1))
+    assert stopped.value.code == (
+        "error: --push_to_hub needs the Hugging Face Hub, and HF_HUB_OFFLINE is set: unset it to upload, "
+        "or drop --push_to_hub (the model is saved in --output_dir either way)."
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def online_hub(monkeypatch, tmp_path):
+    """The Hub as a user with network sees it, where this machine has none: huggingface_hub's
+    offline switch off and HfApi's three network calls recorded (whoami, create_repo,
+    upload_folder); no token unless a test sets one."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))  # no saved login either
+    calls = []
+
+    def record(name, result=None):
+        def call(self, *args, **kwargs):
+            calls.append((name, self.token, args, kwargs))
+            return result
+
+        return call
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", record("whoami", {"name": "someone"}))
+    repo = huggingface_hub.RepoUrl("https://huggingface.co/someone/mrpc-tiny")
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", record("create_repo", repo))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", record("upload_folder"))
+    return calls
+
+
+def test_push_to_hub_without_a_token_is_refused_before_anything_starts(recipe, tmp_path, online_hub):
+    from conftest import train
+
+    from amp_recipes.errors import one_sentence_errors
+
+    with pytest.raises(SystemExit) as stopped, one_sentence_errors():
+        train(recipe, glue_flags(output_dir=tmp_path / "out", push_to_hub=True, max_train_steps=1))
+    assert stopped.value.code.startswith("error: --push_to_hub needs a Hugging Face token with write access")
+    assert not (tmp_path / "out").exists() and online_hub == []
+
+
+def test_push_to_hub_uploads_the_finished_folder_and_never_shows_the_token(
+    recipe, tmp_path, online_hub, caplog
+):
+    """The token is checked before training (whoami), the repo created, the folder uploaded once
+    the model is saved, its checkpoints left out; the token appears in no log line, file or card."""
+    import logging
+
+    from conftest import train
+
+    out = tmp_path / "mrpc-tiny"
+    argv = glue_flags(output_dir=out, push_to_hub=True, hub_token="hf_secret_123", max_train_steps=2)
+    argv += ["--checkpointing_steps", "1"]
+    with caplog.at_level(logging.INFO):
+        train(recipe, argv)
+    assert [name for name, *_ in online_hub] == ["whoami", "create_repo", "upload_folder"]
+    assert all(token == "hf_secret_123" for _, token, _, _ in online_hub)
+    _, _, args, kwargs = online_hub[1]
+    assert (args or (kwargs.get("repo_id"),))[0] == "mrpc-tiny" and kwargs["exist_ok"] is True
+    upload = online_hub[2][3]
+    assert upload["repo_id"] == "someone/mrpc-tiny" and Path(upload["folder_path"]) == out
+    assert "checkpoints/**" in upload["ignore_patterns"]
+    assert (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+    assert "Uploaded to https://huggingface.co/someone/mrpc-tiny" in caplog.text
+    written = [path.read_bytes() for path in out.rglob("*") if path.is_file()]
+    assert not any(b"hf_secret_123" in content for content in written)
+    assert "hf_secret_123" not in caplog.text
+
+
+def test_every_run_writes_a_model_card_the_hub_reads(recipe, tmp_path, monkeypatch):
+    """README.md in the output folder, read with huggingface_hub's ModelCard: the task, the data,
+    the precision that ran, the settings, the command, and eval_results.json's dev scores as
+    model-index metadata. (sys.argv as `python recipes/bert_glue.py ...` sets it: the card's command.)"""
+    from conftest import train
+    from huggingface_hub import ModelCard
+
+    out = tmp_path / "out"
+    argv = glue_flags(output_dir=out, max_train_steps=2, lr_scheduler_type="cosine")
+    monkeypatch.setattr(sys, "argv", [str(RECIPES / "bert_glue.py"), *argv])
+    results = train(recipe, argv)
+    card = ModelCard.load(out / "README.md")
+    assert card.data.pipeline_tag == "text-classification" and card.data.library_name == "transformers"
+    assert card.data.base_model is None  # a local folder, not a Hub model
+    assert card.data.datasets == ["nyu-mll/glue"] and "fp32" in card.data.tags
+    evaluated = {result.metric_type: result.metric_value for result in card.data.eval_results}
+    assert evaluated == {"accuracy": results["eval_accuracy"], "f1": results["eval_f1"]}
+    assert {result.dataset_config for result in card.data.eval_results} == {"mrpc"}
+    assert {result.dataset_name for result in card.data.eval_results} == {"GLUE MRPC"}
+    assert "in **fp32**" in card.text and "| lr_scheduler_type | cosine |" in card.text
+    assert f"python {RECIPES / 'bert_glue.py'} --task_name mrpc" in card.text  # the command
+    assert "--lr_scheduler_type cosine" in card.text and "with `bert_glue.py` of amp-recipes" in card.text
+    assert f'pipeline("text-classification", model="{out}")' in card.text

@@ -48,6 +48,7 @@ from conftest import (
     train,
 )
 from families import glue_sentences
+from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
 CONLL, SQUAD = REPO / "data" / "conll2003", REPO / "data" / "squad"
@@ -73,6 +74,12 @@ RECIPES = {  # recipe -> (its Auto class, the flags of a tiny run)
         + ["--max_query_length", 24],
     ),
     "bert_mlm": ("AutoModelForMaskedLM", ["--max_seq_length", 32]),  # + --train_file, the corpus fixture
+}
+PIPELINE_TAGS = {
+    "bert_glue": "text-classification",
+    "bert_ner": "token-classification",
+    "bert_qa": "question-answering",
+    "bert_mlm": "fill-mask",
 }
 COMPILE = ["--torch_compile", "--torch_compile_backend", "eager"]
 MODES = {  # mode -> (recipe flags, how it is launched: in this process, two DDP processes, or a config)
@@ -263,6 +270,14 @@ def test_trains_saves_reloads_and_scores_the_same(
     # fp32 master weights, under every engine (ZeRO's module copies are 16-bit), and config.json says so.
     assert all(tensor.dtype == torch.float32 for tensor in saved.values())
     assert json.loads((output_dir / "config.json").read_text())["dtype"] == "float32"
+
+    # The model card: the Hub's task for the recipe's head, the dev scores as model-index metadata.
+    card = ModelCard.load(output_dir / "README.md")
+    assert card.data.pipeline_tag == PIPELINE_TAGS[name]
+    scored = {f"eval_{result.metric_type}": result.metric_value for result in card.data.eval_results}
+    counts = ("eval_samples", "eval_windows")  # how much was evaluated, not how well
+    assert scored == {k: v for k, v in scores(results).items() if not k.startswith(counts)}
+    assert results["precision_in_effect"] in card.data.tags
 
     # Every trainable weight moved (the tied decoder weight is the word embeddings, saved once).
     assert set(saved) <= set(initial)
