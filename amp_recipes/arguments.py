@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from .errors import first_to_say
@@ -14,7 +15,11 @@ from .telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, except that under a multi-process launch its error (the usage, then
-    `<recipe>: error: ...`, exit 2) is printed once for the launch, not once per rank."""
+    `<recipe>: error: ...`, exit 2) is printed once for the launch, not once per rank, and that a
+    flag must be spelled out (no abbreviations: `--hub_tok` is not quietly --hub_token)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         sentence = f"{self.prog}: error: {message}\n"
@@ -37,18 +42,12 @@ def add_worker_args(group) -> None:
     )
 
 
-# transformers' schedules that need nothing but the warm-up and the number of steps; its others need
-# settings of their own (cosine_with_min_lr's min_lr, warmup_stable_decay's decay steps) or a metric
+# transformers' schedules that take the warm-up and the number of steps and nothing else. Left out:
+# `constant` (it ignores the warm-up: constant_with_warmup with --warmup_ratio 0 is the same),
+# `inverse_sqrt` (its decay timescale counts scheduler steps, which grow with the process count),
+# and those that need settings of their own (cosine_with_min_lr, warmup_stable_decay) or a metric
 # at every step (reduce_lr_on_plateau).
-SCHEDULERS = [
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-]
+SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup"]
 
 
 def steps_or_epoch(value: str) -> int | str:
@@ -249,6 +248,12 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, rang
 def check_shared_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """One sentence per bad flag, before anything starts."""
     check_ranges(parser, args, SHARED_RANGES)
+    fp8_backend = (args.fp8_backend or os.environ.get("ACCELERATE_FP8_BACKEND") or "ao").lower()
+    if args.gradient_checkpointing and args.mixed_precision == "fp8" and fp8_backend == "te":
+        parser.error(
+            "--gradient_checkpointing with Transformer Engine's fp8 is not supported: the recompute in the "
+            "backward would run outside TE's fp8 autocast. Use --fp8_backend ao (torchao), or drop one."
+        )
     if args.torch_compile and args.diagnose_overflow:
         parser.error(
             "--diagnose_overflow adds hooks every step, which makes torch.compile recompile: use one."

@@ -6,6 +6,7 @@ import hashlib
 import os
 import re
 import sys
+import time
 
 from safetensors import SafetensorError
 
@@ -161,7 +162,12 @@ def first_to_say(sentence: str) -> bool:
 
 def exit_with(sentence: str):
     """End the process with exit code 1, printing `sentence` unless another rank already did."""
-    sys.exit(sentence if first_to_say(sentence) else 1)
+    if first_to_say(sentence):
+        sys.exit(sentence)
+    # A silent rank's exit makes the launcher stop every other process: wait a moment, so that
+    # the rank that won the counter has printed the sentence by then.
+    time.sleep(1)
+    sys.exit(1)
 
 
 @contextlib.contextmanager

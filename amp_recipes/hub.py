@@ -23,7 +23,8 @@ TASK_TYPES = {  # the model's head (its class name ends with it) -> the Hub's ta
     "ForMaskedLM": "fill-mask",
 }
 GLUE_DATASET = "nyu-mll/glue"
-NOT_SCORES = ("_samples", "_runtime", "_windows")  # counts and times among the eval_* figures
+# Counts and times among the eval_* figures (SQuAD v2's totals, the masked LM's token count ...).
+NOT_SCORES = ("_samples", "_samples_mm", "_runtime", "_windows", "total", "_tokens")
 HYPERPARAMETERS = [
     "learning_rate",
     "per_device_train_batch_size",
@@ -46,10 +47,20 @@ UPLOAD_IGNORED = ["checkpoints/**", ".amp-recipes.lock", ".final.tmp/**"]
 
 
 # ----------------------------------------------------------------------------- --push_to_hub
-def check_push_to_hub(args) -> None:
-    """Before training: refuse a --push_to_hub that cannot work, in one sentence."""
+def hide_token(args) -> None:
+    """--hub_token's value out of sys.argv, which W&B records with each run (and the model card
+    quotes): replaced there by <redacted>. The process list (`ps`) shows it while the run lives,
+    so HF_TOKEN or `hf auth login` are the better ways to give it."""
+    if getattr(args, "hub_token", None):
+        sys.argv[:] = [word.replace(args.hub_token, "<redacted>") for word in sys.argv]
+
+
+def create_repo(args) -> str | None:
+    """--push_to_hub, before training: the Hub repo created (or found), as transformers' Trainer
+    does, so that offline, no token, or a token without write access stops the run now, in one
+    sentence. Returns the repo's full id (owner/name); None without --push_to_hub."""
     if not getattr(args, "push_to_hub", False):
-        return
+        return None
     from huggingface_hub import HfApi, get_token, is_offline_mode
 
     if is_offline_mode():
@@ -64,28 +75,26 @@ def check_push_to_hub(args) -> None:
             "or pass --hub_token."
         )
     try:
-        HfApi(token=token).whoami()
+        return HfApi(token=token).create_repo(repo_name(args), exist_ok=True).repo_id
     except Exception as error:  # noqa: BLE001 - a refused token, no network: said before training
         raise InputError(
-            f"--push_to_hub: the Hub did not accept the token or could not be reached "
-            f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); check the token "
-            "(`hf auth whoami`) and the network, or drop --push_to_hub."
+            f"--push_to_hub: could not create or find the Hub repo {repo_name(args)!r} "
+            f"({first_line(error)}); check the token's write access (`hf auth whoami`) and the network, "
+            "or drop --push_to_hub."
         ) from error
 
 
-def repo_id(args) -> str:
-    """--hub_model_id, else the output folder's name (under your user on the Hub)."""
+def repo_name(args) -> str:
+    """--hub_model_id, else the output folder's name (the Hub puts it under your user)."""
     return args.hub_model_id or Path(args.output_dir).resolve().name
 
 
-def push_to_hub(folder: Path, args) -> str:
-    """Upload the finished output folder, checkpoints left out; returns the repo's URL."""
+def push_to_hub(repo: str, folder: Path, args) -> str:
+    """Upload the finished output folder to `repo`, checkpoints left out; returns its URL."""
     from huggingface_hub import HfApi, get_token
 
-    api = HfApi(token=args.hub_token or get_token())
     try:
-        repo = api.create_repo(repo_id(args), exist_ok=True).repo_id
-        api.upload_folder(
+        HfApi(token=args.hub_token or get_token()).upload_folder(
             repo_id=repo,
             folder_path=folder,
             commit_message="amp-recipes: fine-tuned model",
@@ -93,11 +102,14 @@ def push_to_hub(folder: Path, args) -> str:
         )
     except Exception as error:  # noqa: BLE001 - the model is saved; say how to upload it again
         raise InputError(
-            f"The model is saved in {folder}, but the upload to the Hub failed "
-            f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); upload it with "
-            f"`hf upload {repo_id(args)} {folder} --exclude 'checkpoints/*'`."
+            f"The model is saved in {folder}, but the upload to {repo} failed ({first_line(error)}); "
+            f"upload it with `hf upload {repo} {folder} --exclude 'checkpoints/*'`."
         ) from error
     return f"https://huggingface.co/{repo}"
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def redacted(config: dict) -> dict:
@@ -129,16 +141,21 @@ def dataset_of(args, identity: dict) -> dict:
 
 
 def command_line() -> str:
-    """The recipe's command line as this process received it, the Hub token hidden."""
-    argv = ["python", *sys.argv]
-    for index, word in enumerate(argv[:-1]):
-        if word == "--hub_token":
-            argv[index + 1] = "<redacted>"
-    argv = [word.split("=")[0] + "=<redacted>" if word.startswith("--hub_token=") else word for word in argv]
-    return shlex.join(argv)
+    """The recipe's command line as this process received it (hide_token has taken the token out)."""
+    return shlex.join(["python", *sys.argv])
 
 
-def model_card(model, args, summary: dict, identity: dict):
+def split_of(metric: str, dataset: dict) -> tuple[str, str]:
+    """(metric, split): MNLI's `accuracy_mm` is accuracy on validation_mismatched, its plain
+    accuracy on validation_matched; every other task's dev split is `validation`."""
+    if dataset.get("config") == "mnli":
+        if metric.endswith("_mm"):
+            return metric.removesuffix("_mm"), "validation_mismatched"
+        return metric, "validation_matched"
+    return metric, "validation"
+
+
+def model_card(model, args, summary: dict, identity: dict, hub_repo: str | None = None):
     """huggingface_hub's ModelCard for the run: metadata (model-index with the dev scores) and text."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
@@ -150,11 +167,11 @@ def model_card(model, args, summary: dict, identity: dict):
         if key.startswith("eval_")
         and isinstance(value, (int, float))
         and not isinstance(value, bool)
-        and not any(part in key for part in NOT_SCORES)
+        and not key.endswith(NOT_SCORES)
     }
     base = args.model_name_or_path
     on_hub = not Path(base).expanduser().exists()  # a Hub id, not a local folder
-    name = repo_id(args)
+    name = hub_repo or repo_name(args)
     card_data = ModelCardData(
         model_name=name,
         base_model=base if on_hub else None,
@@ -162,22 +179,24 @@ def model_card(model, args, summary: dict, identity: dict):
         library_name="transformers",
         pipeline_tag=task,
         tags=["amp-recipes", "mixed-precision", summary.get("precision_in_effect", "fp32")],
+        # model-index names a Hub dataset: none for your own data (the text's table has its scores).
         eval_results=[
             EvalResult(
                 task_type=task or "other",
                 dataset_type=data["type"],
                 dataset_name=data["name"],
                 dataset_config=data.get("config"),
-                dataset_split="validation",
-                metric_type=metric,
+                dataset_split=split_of(metric, data)[1],
+                metric_type=split_of(metric, data)[0],
                 metric_value=value,
             )
             for metric, value in scores.items()
         ]
-        or None,
+        if data["type"] != "custom" and scores
+        else None,
     )
     recipe = Path(sys.argv[0]).name
-    where = name if args.push_to_hub else args.output_dir  # the Hub repo, or the local folder
+    where = hub_repo or args.output_dir  # the Hub repo it is pushed to, or the local folder
     hyperparameters = {key: getattr(args, key) for key in HYPERPARAMETERS if hasattr(args, key)}
     hyperparameters.update(
         total_train_batch_size=summary.get("total_train_batch_size"),

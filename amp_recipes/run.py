@@ -64,7 +64,9 @@ class TrainingRun:
     def __init__(self, accelerator, args, precision: dict):
         self.accelerator, self.args, self.precision = accelerator, args, precision
         log_preflight(precision, logger)  # AMP: the precision in effect, who chose it, warnings
-        hub.check_push_to_hub(args)  # --push_to_hub that cannot work is refused before anything starts
+        hub.hide_token(args)  # --hub_token: out of sys.argv, which trackers record
+        # --push_to_hub: the repo created now (main process), so a push that cannot work stops the run here.
+        self.hub_repo = hub.create_repo(args) if accelerator.is_main_process else None
         self.output = outputs.claim_output_dir(accelerator, args)  # refuses a folder that holds a run
         set_seed(args.seed)
         self.checkpoints_dir = Path(args.output_dir) / "checkpoints"
@@ -177,10 +179,12 @@ class TrainingRun:
 
     def epoch_batches(self, train_dataloader, epoch):
         """The epoch's batches, shuffled by (seed, epoch) only; in a resumed run's first epoch,
-        without the batches its checkpoint had seen."""
+        without the batches its checkpoint had seen (none, resumed from the last step)."""
         train_dataloader.set_epoch(epoch)
         skip = self.resumed["batches_in_epoch"] if epoch == self.resumed["epoch"] else 0
         self.batches_in_epoch = skip  # the position a checkpoint records
+        if self.step >= self.schedule.max_train_steps:  # resumed from the run's last step
+            return []  # nothing left to train; the epoch still ends (evaluation, final save)
         return self.accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
 
     def count_batch(self, batch, loss, grad_norm) -> None:
@@ -195,6 +199,7 @@ class TrainingRun:
         """One more optimizer step (`run.step`), and the progress bar moves."""
         self.step += 1
         self.progress.update(1)
+        self.nonfinite_at = None  # warn_nonfinite finds this step's, if asked
 
     def warn_nonfinite(self, batch, overflow: bool) -> None:
         """AMP: a warning naming the first module whose output or gradient was inf/NaN at this step:
@@ -305,11 +310,14 @@ class TrainingRun:
                 outputs.write_saved_dtype(folder, state_dict)  # config.json says fp32, as the weights are
                 tokenizer.save_pretrained(folder)
                 # README.md: task, data, precision, settings, command, dev scores (model-index metadata)
-                hub.model_card(self.plain_model, self.args, summary, self.identity).save(folder / "README.md")
+                card = hub.model_card(self.plain_model, self.args, summary, self.identity, self.hub_repo)
+                card.save(folder / "README.md")
         self.record.write_results(summary)  # written last: its presence means the run finished
         records.write_final_figures(accelerator, summary, self.step)  # W&B run summary, TensorBoard
         logger.info(f"Saved model and eval_results.json to {self.args.output_dir}: {summary}")
-        if self.args.push_to_hub and accelerator.is_main_process:
-            logger.info(f"Uploaded to {hub.push_to_hub(Path(self.args.output_dir), self.args)}")
-        self.ended = True
+        self.ended = True  # the run finished; an upload that fails says so and leaves it finished
+        if self.hub_repo:
+            logger.info(
+                f"Uploaded to {hub.push_to_hub(self.hub_repo, Path(self.args.output_dir), self.args)}"
+            )
         return summary

@@ -231,8 +231,8 @@ def main(argv=None):
             # Shuffled by (seed, epoch); a resumed run's first epoch skips what its checkpoint saw.
             for batch in run.epoch_batches(train_dataloader, epoch):
                 grad_norm = None
-                # accumulate(): no gradient sync and no optimizer step until the window's last
-                # micro-batch; watch(): with --diagnose_overflow, hooks that find inf/NaN outputs.
+                # accumulate(): gradients add up over a window, synced on its last micro-batch; prepare()'s
+                # optimizer and scheduler act only then. watch(): --diagnose_overflow's inf/NaN hooks.
                 with accelerator.accumulate(model), run.telemetry.watch():
                     loss = model(**batch).loss  # AMP: the forward runs under autocast (prepare); fp32 loss
                     accelerator.backward(loss)  # AMP: fp16: scales the loss by the GradScaler's scale first
@@ -243,7 +243,7 @@ def main(argv=None):
                     # a fused optimizer's skips: the telemetry reads the GradScaler's scale instead.
                     overflow = run.telemetry.after_optimizer_step()
                     if not overflow:
-                        lr_scheduler.step()  # the learning rate of the next step (warm-up, then the schedule)
+                        lr_scheduler.step()  # the next step's learning rate (--lr_scheduler_type)
                     optimizer.zero_grad()  # the gradients back to zero for the next window
                 run.count_batch(batch, loss, grad_norm)  # its loss, norm and tokens go into the next log line
                 if not accelerator.sync_gradients:

@@ -131,7 +131,8 @@ def main(argv=None):
             optimizer.zero_grad()
             step += 1
             if step % args.logging_steps == 0 or step == max_steps:
-                loss_value = torch.stack(window_losses).mean().item()  # the mean over the logging window
+                window = torch.stack(window_losses)
+                loss_value = window[window.isfinite()].mean().item()  # the window's mean, inf/NaN left out
                 lr = scheduler.get_last_lr()[0]
                 row = dict(step=step, loss=loss_value, grad_norm=grad_norm.item(), learning_rate=lr)
                 history.append({**row, "loss_scale": scaler.get_scale(), "skipped_steps": skipped})  # AMP

@@ -598,6 +598,13 @@ def combination_cases():
         "combo:compile-and-diagnose", ALL, setting(torch_compile=True, diagnose_overflow=True), "recompile"
     )
     yield Case(
+        "combo:checkpointing-and-te-fp8",
+        ALL,
+        setting(gradient_checkpointing=True, mixed_precision="fp8", fp8_backend="te"),
+        r"--gradient_checkpointing with Transformer Engine's fp8 is not supported",
+    )
+    yield Case("flag:abbreviated", ALL, setting(learning_r=1e-4), r"unrecognized arguments: --learning_r")
+    yield Case(
         "combo:overwrite-and-resume",
         ALL,
         setting(resume_from_checkpoint="latest"),

@@ -370,31 +370,65 @@ def test_push_to_hub_without_a_token_is_refused_before_anything_starts(recipe, t
 
 
 def test_push_to_hub_uploads_the_finished_folder_and_never_shows_the_token(
-    recipe, tmp_path, online_hub, caplog
+    recipe, tmp_path, online_hub, caplog, monkeypatch
 ):
-    """The token is checked before training (whoami), the repo created, the folder uploaded once
-    the model is saved, its checkpoints left out; the token appears in no log line, file or card."""
+    """The repo is created before training (a token without write access stops the run there),
+    the folder uploaded once the model is saved, its checkpoints left out, and the card points
+    at the repo. The token is taken out of sys.argv (which W&B records) and appears in no log
+    line, file or card."""
     import logging
 
     from conftest import train
+    from huggingface_hub import ModelCard
 
     out = tmp_path / "mrpc-tiny"
     argv = glue_flags(output_dir=out, push_to_hub=True, hub_token="hf_secret_123", max_train_steps=2)
     argv += ["--checkpointing_steps", "1"]
+    monkeypatch.setattr(sys, "argv", [str(RECIPES / "bert_glue.py"), *argv])  # as `python recipes/...` has it
     with caplog.at_level(logging.INFO):
         train(recipe, argv)
-    assert [name for name, *_ in online_hub] == ["whoami", "create_repo", "upload_folder"]
+    assert [name for name, *_ in online_hub] == ["create_repo", "upload_folder"]
     assert all(token == "hf_secret_123" for _, token, _, _ in online_hub)
-    _, _, args, kwargs = online_hub[1]
-    assert (args or (kwargs.get("repo_id"),))[0] == "mrpc-tiny" and kwargs["exist_ok"] is True
-    upload = online_hub[2][3]
+    _, _, args, kwargs = online_hub[0]
+    assert args == ("mrpc-tiny",) and kwargs == {"exist_ok": True}
+    upload = online_hub[1][3]
     assert upload["repo_id"] == "someone/mrpc-tiny" and Path(upload["folder_path"]) == out
-    assert "checkpoints/**" in upload["ignore_patterns"]
-    assert (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+    assert "checkpoints/**" in upload["ignore_patterns"] and (out / "checkpoints").is_dir()
     assert "Uploaded to https://huggingface.co/someone/mrpc-tiny" in caplog.text
+    card = ModelCard.load(out / "README.md")
+    assert 'pipeline("text-classification", model="someone/mrpc-tiny")' in card.text
+    assert "--hub_token '<redacted>'" in card.text and "hf_secret_123" not in " ".join(sys.argv)
     written = [path.read_bytes() for path in out.rglob("*") if path.is_file()]
     assert not any(b"hf_secret_123" in content for content in written)
     assert "hf_secret_123" not in caplog.text
+
+
+def test_a_token_the_hub_refuses_stops_the_run_before_training(recipe, tmp_path, online_hub, monkeypatch):
+    import httpx
+    import huggingface_hub
+    from conftest import train
+
+    from amp_recipes.errors import one_sentence_errors
+
+    def refuse(self, *args, **kwargs):  # what the Hub answers a read-only token
+        request = httpx.Request("POST", "https://huggingface.co/api/repos/create")
+        raise huggingface_hub.errors.HfHubHTTPError(
+            "403 Forbidden: You don't have the rights to create a model",
+            response=httpx.Response(403, request=request),
+        )
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", refuse)
+    argv = glue_flags(
+        output_dir=tmp_path / "out", push_to_hub=True, hub_token="hf_read_only", max_train_steps=1
+    )
+    with pytest.raises(SystemExit) as stopped, one_sentence_errors():
+        train(recipe, argv)
+    assert stopped.value.code == (
+        "error: --push_to_hub: could not create or find the Hub repo 'out' (403 Forbidden: You don't have the "
+        "rights to create a model); check the token's write access (`hf auth whoami`) and the network, or "
+        "drop --push_to_hub."
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_run_writes_a_model_card_the_hub_reads(recipe, tmp_path, monkeypatch):

@@ -236,6 +236,17 @@ def test_gradient_checkpointing_recomputes_trains_the_same_and_resumes_exactly(r
     assert_same_training(tmp_path / "recomputed", tmp_path / "resumed")
 
 
+def test_a_run_stopped_at_its_last_step_resumes_to_evaluate_and_save_only(recipe, tmp_path, monkeypatch):
+    """A SIGTERM during the last optimizer step (--max_train_steps mid-epoch, 2 batches a step):
+    the resumed run takes no further step, evaluates, and saves what the uninterrupted run saves."""
+    argv = [*TINY, "--max_train_samples", 64, "--max_train_steps", 3, "--gradient_accumulation_steps", 2]
+    reference = train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
+    resumed = stopped_and_resumed(recipe, argv, tmp_path / "resumed", monkeypatch, stop_step=3)
+    assert resumed["train_steps"] == reference["train_steps"] == 3
+    assert resumed["eval_accuracy"] == reference["eval_accuracy"]
+    assert_same_training(tmp_path / "reference", tmp_path / "resumed")
+
+
 @contextlib.contextmanager
 def file_size_limit(limit_bytes):
     """A real kernel limit on the size of any file this process writes (RLIMIT_FSIZE): a write past
