@@ -271,13 +271,20 @@ def test_trains_saves_reloads_and_scores_the_same(
     assert all(tensor.dtype == torch.float32 for tensor in saved.values())
     assert json.loads((output_dir / "config.json").read_text())["dtype"] == "float32"
 
-    # The model card: the Hub's task for the recipe's head, the dev scores as model-index metadata.
+    # The model card: the Hub's task for the recipe's head, and the dev scores: as model-index
+    # metadata for GLUE (a Hub dataset), in the card's table for the files of the other rows.
     card = ModelCard.load(output_dir / "README.md")
-    assert card.data.pipeline_tag == PIPELINE_TAGS[name]
-    scored = {f"eval_{result.metric_type}": result.metric_value for result in card.data.eval_results}
-    counts = ("eval_samples", "eval_windows")  # how much was evaluated, not how well
-    assert scored == {k: v for k, v in scores(results).items() if not k.startswith(counts)}
-    assert results["precision_in_effect"] in card.data.tags
+    assert card.data.pipeline_tag == PIPELINE_TAGS[name] and results["precision_in_effect"] in card.data.tags
+    counts = ("_samples", "_windows", "_tokens")  # how much was evaluated, not how well
+    expected = {key: value for key, value in scores(results).items() if not key.endswith(counts)}
+    assert expected
+    if name == "bert_glue":
+        scored = {f"eval_{result.metric_type}": result.metric_value for result in card.data.eval_results}
+        assert scored == expected
+    else:
+        assert card.data.eval_results is None
+        for key, value in expected.items():
+            assert f"| {key.removeprefix('eval_')} | {value:.4g} |" in card.text, key
 
     # Every trainable weight moved (the tied decoder weight is the word embeddings, saved once).
     assert set(saved) <= set(initial)
