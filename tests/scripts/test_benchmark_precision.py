@@ -253,7 +253,7 @@ def test_compiled_arm_reports_compile_time_apart_from_step_time(tmp_path):
 def test_gradient_checkpointing_arm_is_compared_with_the_same_arm_keeping_its_activations(tmp_path):
     """fp32+gradient_checkpointing: the recipes' --gradient_checkpointing in the benchmark. Same
     losses as fp32 (only the memory/compute trade changes), less peak memory, and its own ratios
-    against fp32 (what checkpointing alone buys) in results.json and results.md."""
+    against the fp32 arm (what checkpointing alone buys) in results.json and results.md."""
     output_dir = tmp_path / "out"
     argv = [SCRIPT, "--config_name", TINY_BERT, "--arms", "fp32,fp32+gradient_checkpointing"]
     argv += ["--seq_len", 128, "--batch_size", 32, "--warmup_steps", 1, "--timed_steps", 2, "--no_search"]
@@ -265,7 +265,9 @@ def test_gradient_checkpointing_arm_is_compared_with_the_same_arm_keeping_its_ac
     assert recomputed["losses"] == pytest.approx(kept["losses"], rel=1e-6)
     assert recomputed["peak_memory_bytes"] < kept["peak_memory_bytes"]
     ratios = recomputed["ratios_vs_without_checkpointing"]
-    assert ratios["memory_drop_percent"] > 0 and ratios["speedup"] < 1  # the recompute is not free
+    # The speed ratio is reported, not asserted: two timed steps of a tiny model on a loaded CI
+    # machine measured 1.14x once (the recompute's cost hidden in the noise).
+    assert ratios["memory_drop_percent"] > 0 and ratios["speedup"] > 0
     assert (
         "- fp32+gradient_checkpointing against fp32 (gradient checkpointing alone): peak memory -"
         in (output_dir / "results.md").read_text()
