@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 from .errors import first_to_say
+from .precision import fp8_backend_choice
 from .telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
 
 
@@ -248,8 +248,11 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, rang
 def check_shared_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """One sentence per bad flag, before anything starts."""
     check_ranges(parser, args, SHARED_RANGES)
-    fp8_backend = (args.fp8_backend or os.environ.get("ACCELERATE_FP8_BACKEND") or "ao").lower()
-    if args.gradient_checkpointing and args.mixed_precision == "fp8" and fp8_backend == "te":
+    if (
+        args.gradient_checkpointing
+        and args.mixed_precision == "fp8"
+        and fp8_backend_choice(args.fp8_backend) == "te"
+    ):
         parser.error(
             "--gradient_checkpointing with Transformer Engine's fp8 is not supported: the recompute in the "
             "backward would run outside TE's fp8 autocast. Use --fp8_backend ao (torchao), or drop one."

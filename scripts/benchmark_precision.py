@@ -623,6 +623,19 @@ def relative_difference(losses, reference):
     return {"max": max(diffs), "mean": sum(diffs) / len(diffs)} if diffs else None
 
 
+def ratios_between(result: dict, base: dict) -> dict:
+    """`result` against `base`: peak-memory drop, speedup, and headroom (max batch ratio) unless
+    either search only found a lower bound."""
+    ratios = {
+        "memory_drop_percent": 100.0 * (1 - result["peak_memory_bytes"] / base["peak_memory_bytes"]),
+        "speedup": result["samples_per_second"] / base["samples_per_second"],
+    }
+    capped = result.get("capped_at_search_max") or base.get("capped_at_search_max")
+    if result.get("max_batch_size") and base.get("max_batch_size") and not capped:
+        ratios["headroom"] = result["max_batch_size"] / base["max_batch_size"]
+    return ratios
+
+
 def compare(results: dict) -> None:
     """Ratios against fp32, only for arms of this invocation that really ran reduced precision."""
     base = results.get("fp32")
@@ -636,14 +649,9 @@ def compare(results: dict) -> None:
         if result.get("fp8_emulated"):
             result["no_ratio_reason"] = "fp8 was emulated (torchao emulate=True): no fp8 Tensor Core ran"
             continue
-        ratios = {
-            "memory_drop_percent": 100.0 * (1 - result["peak_memory_bytes"] / base["peak_memory_bytes"]),
-            "speedup": result["samples_per_second"] / base["samples_per_second"],
-        }
-        capped = result.get("capped_at_search_max") or base.get("capped_at_search_max")
-        if result.get("max_batch_size") and base.get("max_batch_size") and not capped:
-            ratios["headroom"] = result["max_batch_size"] / base["max_batch_size"]
-        elif capped:  # a lower bound over a lower bound is no ratio
+        ratios = ratios_between(result, base)
+        if result.get("capped_at_search_max") or base.get("capped_at_search_max"):
+            # a lower bound over a lower bound is no ratio
             stopped = result.get("search_stopped") or base.get("search_stopped")
             result["headroom_note"] = (
                 "no headroom ratio: the search stopped at --time_limit_s; give it more time"
@@ -656,14 +664,7 @@ def compare(results: dict) -> None:
         kept = results.get(without_checkpointing(arm))
         if CHECKPOINTED not in arm or not result.get("fits") or not kept or not kept.get("fits"):
             continue
-        ratios = {
-            "memory_drop_percent": 100.0 * (1 - result["peak_memory_bytes"] / kept["peak_memory_bytes"]),
-            "speedup": result["samples_per_second"] / kept["samples_per_second"],  # below 1: the recompute
-        }
-        if result.get("max_batch_size") and kept.get("max_batch_size"):
-            if not (result.get("capped_at_search_max") or kept.get("capped_at_search_max")):
-                ratios["headroom"] = result["max_batch_size"] / kept["max_batch_size"]
-        result["ratios_vs_without_checkpointing"] = ratios
+        result["ratios_vs_without_checkpointing"] = ratios_between(result, kept)
 
 
 def markdown_table(results: dict) -> str:

@@ -482,6 +482,24 @@ FIGURES = {  # eval_results.json key -> (how the report names it, its unit in by
 }
 
 
+def speed_and_memory(results: dict, arm: str, base: str, seeds: list[int]) -> dict:
+    """`arm` against `base`, paired by seed: the speedup and the peak-memory drop (%)."""
+    return {
+        "speedup": mean_sd(
+            [
+                results[arm, s]["train_samples_per_second"] / results[base, s]["train_samples_per_second"]
+                for s in seeds
+            ]
+        ),
+        "memory_drop_percent": mean_sd(
+            [
+                100 * (1 - results[arm, s]["peak_memory_bytes"] / results[base, s]["peak_memory_bytes"])
+                for s in seeds
+            ]
+        ),
+    }
+
+
 def compare(args, runs: list[dict]) -> dict:
     """Everything the report shows, from the finished runs' eval_results.json."""
     results = {}
@@ -529,16 +547,7 @@ def compare(args, runs: list[dict]) -> dict:
         ]
         arm_r = {s: results[arm, s] for s in seeds}
         base = {s: results["fp32", s] for s in seeds}
-        versus[arm] = {
-            "seeds": seeds,
-            "speedup": mean_sd(
-                [arm_r[s]["train_samples_per_second"] / base[s]["train_samples_per_second"] for s in seeds]
-            ),
-            "memory_drop_percent": mean_sd(
-                [100 * (1 - arm_r[s]["peak_memory_bytes"] / base[s]["peak_memory_bytes"]) for s in seeds]
-            ),
-            "metrics": {},
-        }
+        versus[arm] = {"seeds": seeds, **speed_and_memory(results, arm, "fp32", seeds), "metrics": {}}
         if arms[arm]["fp8_emulated"]:
             versus[arm].update(speedup=mean_sd([]), memory_drop_percent=mean_sd([]))
             versus[arm]["speed_note"] = (
@@ -557,18 +566,7 @@ def compare(args, runs: list[dict]) -> dict:
         without_checkpointing[arm] = {
             "against": kept,
             "seeds": seeds,
-            "speedup": mean_sd(
-                [
-                    results[arm, s]["train_samples_per_second"] / results[kept, s]["train_samples_per_second"]
-                    for s in seeds
-                ]
-            ),
-            "memory_drop_percent": mean_sd(
-                [
-                    100 * (1 - results[arm, s]["peak_memory_bytes"] / results[kept, s]["peak_memory_bytes"])
-                    for s in seeds
-                ]
-            ),
+            **speed_and_memory(results, arm, kept, seeds),
         }
     hardware_keys = ("device_name", "device_type", "num_processes", "distributed_type", "torch_threads")
     first = next(iter(results.values()), {})
