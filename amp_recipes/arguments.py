@@ -171,6 +171,28 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
     output.add_argument(
         "--eval_steps", type=int, help="Also evaluate every N optimizer steps (always each epoch)."
     )
+    output.add_argument(
+        "--metric_for_best_model",
+        help="The eval score that decides the best evaluation (accuracy, f1, eval_f1 ...); "
+        "eval_results.json then reports its best value and step.",
+    )
+    output.add_argument(
+        "--greater_is_better",
+        choices=["true", "false"],
+        help="Whether a higher --metric_for_best_model is better (default: false for a loss or "
+        "perplexity, else true).",
+    )
+    output.add_argument(
+        "--load_best_model_at_end",
+        action="store_true",
+        help="Save a checkpoint at each new best evaluation (kept through --save_total_limit) and save "
+        "its weights as the final model.",
+    )
+    output.add_argument(
+        "--early_stopping_patience",
+        type=int,
+        help="Stop after N evaluations in a row without a better --metric_for_best_model.",
+    )
     output.add_argument("--logging_steps", type=int, default=10)
     output.add_argument("--report_to", choices=["none", "wandb", "tensorboard", "all"], default="none")
     output.add_argument("--project_name", default="amp-recipes", help="W&B project / TensorBoard folder.")
@@ -229,6 +251,7 @@ SHARED_RANGES = {
     "max_consecutive_skipped_steps": (lambda v: v >= 1, "at least 1"),
     "activation_monitor_interval": (lambda v: v >= 0, "at least 0 (0 turns it off)"),
     "eval_steps": (lambda v: v >= 1, "at least 1"),
+    "early_stopping_patience": (lambda v: v >= 1, "at least 1"),
     "logging_steps": (lambda v: v >= 1, "at least 1"),
     "save_total_limit": (lambda v: v >= 1, "at least 1"),
     "preprocessing_num_workers": (lambda v: v >= 1, "at least 1"),
@@ -261,6 +284,13 @@ def check_shared_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(
             "--diagnose_overflow adds hooks every step, which makes torch.compile recompile: use one."
         )
+    for flag in ("load_best_model_at_end", "early_stopping_patience", "greater_is_better"):
+        if getattr(args, flag) and not args.metric_for_best_model:
+            parser.error(
+                f"--{flag} needs --metric_for_best_model (e.g. accuracy, f1) to compare evaluations."
+            )
+        if getattr(args, flag) and args.eval_only:
+            parser.error(f"--{flag} acts on the evaluations of a training run; --eval_only trains nothing.")
     if args.overwrite_output_dir and args.resume_from_checkpoint:
         parser.error(
             "--overwrite_output_dir starts the run again, --resume_from_checkpoint continues it: use one."

@@ -38,13 +38,19 @@ def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(
-    accelerator, checkpoints_dir: Path, step: int, record: dict, save_total_limit: int | None
+    accelerator,
+    checkpoints_dir: Path,
+    step: int,
+    record: dict,
+    save_total_limit: int | None,
+    keep: str | None = None,
 ) -> Path:
     """Write checkpoint-<step> atomically (all processes call this; the main one renames).
 
     accelerate's `save_state` writes the states (model, optimizer, scheduler, GradScaler, RNGs,
     sampler); `record` (the recipe's position in the run) goes into the completeness marker with
-    the W&B run id, the precision and the GradScaler's state."""
+    the W&B run id, the precision and the GradScaler's state. `keep`: a checkpoint's folder name
+    that rotation leaves (the best one, --load_best_model_at_end)."""
     checkpoints_dir = Path(checkpoints_dir)
     scaler = getattr(accelerator, "scaler", None)
     record = {
@@ -74,7 +80,7 @@ def save_checkpoint(
             (checkpoints_dir / f".{LATEST}.tmp").write_text(final.name)
             os.replace(checkpoints_dir / f".{LATEST}.tmp", checkpoints_dir / LATEST)
             fsync_dir(checkpoints_dir)
-            rotate(checkpoints_dir, save_total_limit)
+            rotate(checkpoints_dir, save_total_limit, keep)
     except WRITE_ERRORS as error:  # a full disk, a file-size limit, a lost mount
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
@@ -88,13 +94,15 @@ def save_checkpoint(
     return final
 
 
-def rotate(checkpoints_dir: Path, save_total_limit: int | None) -> None:
-    """Keep the newest `save_total_limit` complete checkpoints; never the only complete one."""
+def rotate(checkpoints_dir: Path, save_total_limit: int | None, keep: str | None = None) -> None:
+    """Keep the newest `save_total_limit` complete checkpoints, and the one named `keep` (the best,
+    as the Trainer keeps it); never the only complete one."""
     if not save_total_limit:
         return
     complete = complete_checkpoints(checkpoints_dir)
     for old in complete[: max(0, len(complete) - max(1, save_total_limit))]:
-        shutil.rmtree(old)
+        if old.name != keep:
+            shutil.rmtree(old)
 
 
 def resolve_checkpoint(value: str, checkpoints_dir: Path) -> Path:
@@ -191,7 +199,7 @@ def resume(accelerator, value: str | None, checkpoints_dir: Path, identity: dict
     logger.info(f"Resumed from {path} at step {record['global_step']}", main_process_only=True)
     # The epoch an evaluation at this position is logged with: the loop counts an epoch from its
     # first batch (`epoch + 1`), so a checkpoint saved mid-epoch belongs to the epoch it is in.
-    return {**record, "log_epoch": record["epoch"] + (record["batches_in_epoch"] > 0)}
+    return {**record, "log_epoch": record["epoch"] + (record["batches_in_epoch"] > 0), "path": str(path)}
 
 
 def tracker_run_id(accelerator) -> str | None:

@@ -48,6 +48,8 @@ class GlueTask(LabelCount):
     tsv_columns: dict[str, str]  # Hub name -> TSV column name, "label" included
     # Hub split -> TSV file; the first is the main validation split.
     eval_splits: dict[str, str] = field(default_factory=lambda: {"validation": "dev.tsv"})
+    # Hub split -> TSV file of the unlabelled test examples (--do_predict).
+    test_splits: dict[str, str] = field(default_factory=lambda: {"test": "test.tsv"})
 
 
 GLUE_TASKS: dict[str, GlueTask] = {
@@ -104,6 +106,7 @@ GLUE_TASKS: dict[str, GlueTask] = {
                 "validation_matched": "dev_matched.tsv",
                 "validation_mismatched": "dev_mismatched.tsv",
             },
+            test_splits={"test_matched": "test_matched.tsv", "test_mismatched": "test_mismatched.tsv"},
         ),
         GlueTask(
             "qnli",
@@ -164,24 +167,26 @@ def resolve_task_dir(task: GlueTask, data_dir: str | os.PathLike) -> Path:
     )
 
 
-def _read_glue_tsv(path: Path, task: GlueTask, cache_dir: str | None) -> datasets.Dataset:
+def _read_glue_tsv(path: Path, task: GlueTask, cache_dir: str | None, test=False) -> datasets.Dataset:
+    """A train or dev TSV with its labels checked, or (`test`) a test TSV: its texts only."""
     if not path.is_file():
         raise InputError(f"Missing GLUE file {path} for task {task.name}.")
     # GLUE TSVs are not CSV: no quote processing (several rows hold unbalanced quotes that a
     # quoting reader would merge), MRPC starts with a UTF-8 BOM, and text such as "null" or
     # "NA" must stay text (na_filter=False).
     kwargs = dict(delimiter="\t", quoting=csv.QUOTE_NONE, na_filter=False, encoding="utf-8-sig")
-    if task.tsv_header is not None:
+    if task.tsv_header is not None and not test:  # CoLA's train and dev files; its test file has a header
         kwargs.update(header=None, column_names=list(task.tsv_header))
     table = read_file("csv", str(path), ".tsv", cache_dir, **kwargs)
-    missing = [column for column in task.tsv_columns.values() if column not in table.column_names]
+    columns = {hub: tsv for hub, tsv in task.tsv_columns.items() if not (test and hub == "label")}
+    missing = [column for column in columns.values() if column not in table.column_names]
     if missing:
         raise InputError(
             f"{path} has no column(s) {missing} needed for {task.name}; found {table.column_names}."
         )
-    table = table.select_columns(list(task.tsv_columns.values()))
-    table = table.rename_columns({tsv: hub for hub, tsv in task.tsv_columns.items() if tsv != hub})
-    return _encode_labels(table, task.label_names, str(path))
+    table = table.select_columns(list(columns.values()))
+    table = table.rename_columns({tsv: hub for hub, tsv in columns.items() if tsv != hub})
+    return table if test else _encode_labels(table, task.label_names, str(path))
 
 
 def _encode_labels(table: datasets.Dataset, label_names, source: str) -> datasets.Dataset:
@@ -225,14 +230,15 @@ def load_glue_from_dir(task: GlueTask, data_dir, cache_dir: str | None = None) -
     )
 
 
+OFFLINE_HINT = (
+    "Point --data_dir (or $GLUE_DIR) at the classic GLUE folder of TSV files "
+    "(the repository ships CoLA, MRPC, RTE and SST-2 in data/glue)."
+)
+
+
 def load_glue_from_hub(task: GlueTask, cache_dir: str | None = None) -> datasets.DatasetDict:
     raw = load_hub_dataset(
-        "nyu-mll/glue",
-        task.name,
-        what=f"GLUE {task.name}",
-        offline="Point --data_dir (or $GLUE_DIR) at the classic GLUE folder of TSV files "
-        "(the repository ships CoLA, MRPC, RTE and SST-2 in data/glue).",
-        cache_dir=cache_dir,
+        "nyu-mll/glue", task.name, what=f"GLUE {task.name}", offline=OFFLINE_HINT, cache_dir=cache_dir
     )
     keep = ["train", *task.eval_splits]
     return datasets.DatasetDict(
@@ -256,6 +262,45 @@ def load_glue(task_name: str, data_dir=None, cache_dir: str | None = None) -> Ta
         metric_config=task.name,
         eval_splits=tuple(task.eval_splits),
     )
+
+
+def load_test_splits(task: TaskData, data_dir=None, test_file=None, cache_dir=None) -> datasets.DatasetDict:
+    """--do_predict: the examples to predict, texts only. --test_file (your data, with the training
+    file's text columns; a label column is ignored), else the GLUE task's test split: the test TSV
+    (MNLI: test_matched.tsv and test_mismatched.tsv) of `data_dir` (or $GLUE_DIR), else the Hub's."""
+    if test_file:
+        table = load_user_file(test_file, cache_dir)
+        missing = [column for column in task.text_columns if column not in table.column_names]
+        if missing:
+            raise InputError(f"{test_file} has no column(s) {missing}; found {table.column_names}.")
+        _check_texts(table, task.text_columns, test_file)
+        return datasets.DatasetDict(test=table.select_columns(list(task.text_columns)))
+    glue_task = get_task(task.name)
+    data_dir = data_dir or os.environ.get("GLUE_DIR")
+    if data_dir:
+        task_dir = resolve_task_dir(glue_task, data_dir)
+        return datasets.DatasetDict(
+            {
+                split: _read_glue_tsv(task_dir / name, glue_task, cache_dir, test=True)
+                for split, name in glue_task.test_splits.items()
+            }
+        )
+    raw = load_hub_dataset(
+        "nyu-mll/glue", task.name, what=f"GLUE {task.name}", offline=OFFLINE_HINT, cache_dir=cache_dir
+    )
+    return datasets.DatasetDict(
+        {split: raw[split].select_columns(list(task.text_columns)) for split in glue_task.test_splits}
+    )
+
+
+def prediction_lines(predictions: list, label_names) -> str:
+    """GLUE's submission format, as transformers' run_glue.py writes it: a header, then per test
+    example its index and the predicted label's name (or, for regression, the score)."""
+    rows = [
+        f"{index}\t{value:3.3f}" if label_names is None else f"{index}\t{label_names[value]}"
+        for index, value in enumerate(predictions)
+    ]
+    return "\n".join(["index\tprediction", *rows]) + "\n"
 
 
 _DEFAULT_TEXT_COLUMNS = (("sentence1", "sentence2"), ("sentence",), ("text",))
@@ -398,9 +443,10 @@ def load_user_files(
 # with everything it refers to (dill-pickled), so a second identical run reads the cache and any
 # change (another max_seq_length, tokenizer or column) tokenises again. Pickling the tokenizer
 # for that fingerprint costs ~0.2 s per map for MiniLM's: slow, but never stale.
-def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: int | None = None):
-    """Tokenise every split (one sentence or a pair) with labels. No padding here: the collator
-    pads each batch to its own longest sequence."""
+def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: int | None = None, splits=None):
+    """Tokenise every split (one sentence or a pair) with labels, where it has them (test splits
+    have none). `splits`: others than the task's own (its test splits). No padding here: the
+    collator pads each batch to its own longest sequence."""
     check_max_length(tokenizer, max_seq_length)
     text_columns = tuple(task.text_columns)  # not `task`: datasets would hash its splits too
 
@@ -408,15 +454,22 @@ def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: in
         encoded = tokenizer(
             *[batch[column] for column in text_columns], truncation=True, max_length=max_seq_length
         )
-        encoded["labels"] = batch["label"]
+        if "label" in batch:
+            encoded["labels"] = batch["label"]
         return encoded
 
-    return task.splits.map(
-        tokenize,
-        batched=True,
-        remove_columns=task.splits["train"].column_names,
-        num_proc=num_proc,
-        desc="Tokenizing",
+    splits = task.splits if splits is None else splits
+    return datasets.DatasetDict(
+        {
+            name: split.map(
+                tokenize,
+                batched=True,
+                remove_columns=split.column_names,
+                num_proc=num_proc,
+                desc="Tokenizing",
+            )
+            for name, split in splits.items()
+        }
     )
 
 

@@ -35,12 +35,13 @@ class TaggingData:
 
 
 # ----------------------------------------------------------------------------- reading
-def read_conll(path: str) -> datasets.Dataset:
+def read_conll(path: str, words_only=False) -> datasets.Dataset:
     """A CoNLL-format file: one token per line, its tag in the last column (the columns between,
     such as POS and chunk tags, are ignored), a blank line after each sentence, `-DOCSTART-` lines
     skipped. datasets has no builder for this layout (the Hub's CoNLL-2003 used a loading script),
     so it is read here into an in-memory table: no cache files, so every process of a launch
-    reads and tokenises it (a few seconds for CoNLL-2003's 14,041 training sentences)."""
+    reads and tokenises it (a few seconds for CoNLL-2003's 14,041 training sentences).
+    `words_only` (--test_file): one column, the words, is enough; tags are not read."""
     check_file(path)
     rows = {"tokens": [], "tags": [], "where": []}
     tokens, tags, start, columns = [], [], 0, None
@@ -61,7 +62,7 @@ def read_conll(path: str) -> datasets.Dataset:
                 continue
             if columns is None:
                 columns, first = len(fields), number
-                if columns < 2:
+                if columns < 2 and not words_only:
                     raise InputError(
                         f"{path} line {number} has one column ({line.strip()!r}); a CoNLL line is "
                         "`token tag` or `token POS chunk tag`, whitespace-separated."
@@ -74,16 +75,24 @@ def read_conll(path: str) -> datasets.Dataset:
             if not tokens:
                 start = number
             tokens.append(fields[0])
-            tags.append(fields[-1])
+            tags.append("O" if words_only else fields[-1])
     end_sentence()
     if not rows["tokens"]:
         raise InputError(f"{path} holds no sentences (only -DOCSTART- or blank lines).")
     return datasets.Dataset.from_dict(rows)
 
 
-def read_json(path: str, tokens_column: str, tags_column: str | None) -> datasets.Dataset:
-    """Rows with a list of words and a list of tag names of the same length."""
+def read_json(path: str, tokens_column: str, tags_column: str | None, words_only=False) -> datasets.Dataset:
+    """Rows with a list of words and a list of tag names of the same length (`words_only`: the
+    words are enough, the tags are not read)."""
     table = load_user_file(path, None, JSON_BUILDERS)
+    if words_only:  # --test_file: every tag O, never read (word_tags predicts them)
+        if tokens_column not in table.column_names:
+            raise InputError(
+                f"{path} has no column {tokens_column!r}; found {table.column_names}. Name it with --tokens_column."
+            )
+        tags_column = "__tags__"
+        table = table.add_column(tags_column, [["O"] * len(words or []) for words in table[tokens_column]])
     tags_column = tags_column or next((c for c in TAG_COLUMNS if c in table.column_names), TAG_COLUMNS[0])
     missing = [c for c in (tokens_column, tags_column) if c not in table.column_names]
     if missing:
@@ -115,12 +124,14 @@ def read_json(path: str, tokens_column: str, tags_column: str | None) -> dataset
     return table.add_column("where", [f"{line_or_row} {i}" for i in range(1, table.num_rows + 1)])
 
 
-def read_file(path: str, tokens_column: str = "tokens", tags_column: str | None = None) -> datasets.Dataset:
+def read_file(
+    path: str, tokens_column: str = "tokens", tags_column: str | None = None, words_only=False
+) -> datasets.Dataset:
     suffix = Path(path).suffix.lower()
     if suffix in JSON_BUILDERS:
-        return read_json(path, tokens_column, tags_column)
+        return read_json(path, tokens_column, tags_column, words_only)
     if suffix in CONLL_SUFFIXES:
-        return read_conll(path)
+        return read_conll(path, words_only)
     raise InputError(
         f"{path}: unsupported file type {suffix or '(none)'!r}; use CoNLL text "
         f"({', '.join(CONLL_SUFFIXES)}) or {', '.join(JSON_BUILDERS)}."
@@ -210,7 +221,38 @@ def load_files(
     return TaggingData("custom", splits, label_names, scheme)
 
 
+def load_test(
+    test_file=None, tokens_column="tokens", name=HUB_DATASET, revision=HUB_REVISION
+) -> datasets.Dataset:
+    """--do_predict: the sentences to tag, their words only (every tag set to O, never read):
+    --test_file (CoNLL text, one column enough, or .json/.jsonl rows of words), else the Hub
+    dataset's test split."""
+    if test_file:
+        return read_file(test_file, tokens_column, words_only=True)
+    raw = load_hub_dataset(
+        name, offline="Give --test_file (CoNLL text or JSON).", revision=revision, split="test"
+    )
+    table = raw.select_columns(["tokens"])
+    table = table.map(lambda row: {"tags": ["O"] * len(row["tokens"])})
+    return table.add_column("where", [f"row {i}" for i in range(1, table.num_rows + 1)])
+
+
+def conll_lines(sentences, tags) -> str:
+    """Tagged sentences in CoNLL format: `word tag` per line, a blank line after each sentence."""
+    return "".join(
+        "".join(f"{word} {tag}\n" for word, tag in zip(words, sentence_tags, strict=True)) + "\n"
+        for words, sentence_tags in zip(sentences, tags, strict=True)
+    )
+
+
 # ----------------------------------------------------------------------------- tokenisation
+def tokenizer_kwargs(config) -> dict:
+    """Byte-level BPE tokenizers (RoBERTa, ...) glue a word of a pre-split sentence to the one
+    before unless told that each word starts after a space."""
+    byte_level_bpe = {"roberta", "deberta", "longformer", "bart", "gpt2", "modernbert"}
+    return {"add_prefix_space": True} if config.model_type in byte_level_bpe else {}
+
+
 def tokenize_and_align(
     splits, tokenizer, label_names, max_seq_length: int, label_all_tokens: bool, num_proc=None
 ) -> datasets.DatasetDict:
@@ -247,6 +289,14 @@ def tokenize_and_align(
 
     return splits.map(
         tokenize, batched=True, remove_columns=["tokens", "where"], num_proc=num_proc, desc="Tokenizing"
+    )
+
+
+def words_cut(sentences, word_index) -> int:
+    """How many words of these sentences (lists of words or of tags) no token starts: cut off by
+    max_seq_length."""
+    return sum(
+        len(words) - sum(w >= 0 for w in index) for words, index in zip(sentences, word_index, strict=True)
     )
 
 

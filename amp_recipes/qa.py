@@ -20,6 +20,7 @@ import numpy as np
 from .batches import check_max_length
 from .errors import InputError
 from .files import check_file, load_hub_dataset, load_user_file
+from .records import write_json_atomic
 
 HUB_DATASETS = {False: "rajpurkar/squad", True: "rajpurkar/squad_v2"}  # by --version_2_with_negative
 JSON_BUILDERS = {".json": "json", ".jsonl": "json"}
@@ -71,9 +72,10 @@ def read_squad_json(path: str) -> datasets.Dataset:
     return datasets.Dataset.from_dict(rows)
 
 
-def read_file(path: str, columns: dict[str, str]) -> datasets.Dataset:
+def read_file(path: str, columns: dict[str, str], unanswered=False) -> datasets.Dataset:
     """SQuAD-format JSON, or flat .json/.jsonl rows whose columns `columns` names
-    ({"question": ..., "context": ..., "answers": ...}; `id` optional)."""
+    ({"question": ..., "context": ..., "answers": ...}; `id` optional; `unanswered`: the answers
+    column too, for --test_file's questions, whose answers are not read)."""
     check_file(path)
     suffix = Path(path).suffix.lower()
     if suffix not in JSON_BUILDERS:
@@ -85,6 +87,9 @@ def read_file(path: str, columns: dict[str, str]) -> datasets.Dataset:
         return read_squad_json(path)
     table = load_user_file(path, None, JSON_BUILDERS)
     missing = [name for name in columns.values() if name not in table.column_names]
+    if missing == [columns.get("answers")] and unanswered:  # --test_file: the answers are not read
+        table = table.add_column(columns["answers"], [{"text": [], "answer_start": []}] * table.num_rows)
+        missing = []
     if missing:
         raise InputError(
             f"{path} has no column(s) {missing}; found {table.column_names}. Name them with "
@@ -102,10 +107,10 @@ def _is_squad_layout(path: str) -> bool:
     return start.startswith("{") and '"data"' in start[:200]
 
 
-def check_rows(table: datasets.Dataset, path: str, version_2: bool) -> None:
-    """Every question and context non-empty, every answer found in its context at its offset,
-    unanswerable questions only in SQuAD 2.0 mode, ids unique. Several answers (SQuAD's dev
-    files): all are references for the metric, the first is the training target."""
+def check_rows(table: datasets.Dataset, path: str, version_2: bool, check_answers=True) -> None:
+    """Every question and context non-empty, ids unique, and (`check_answers`) every answer found in its
+    context at its offset, unanswerable questions only in SQuAD 2.0 mode. Several answers (SQuAD's
+    dev files): all are references for the metric, the first is the training target."""
     seen = set()
     for number, row in enumerate(table, start=1):
         where = f"{path} question {number} (id {row['id']!r})"
@@ -115,6 +120,8 @@ def check_rows(table: datasets.Dataset, path: str, version_2: bool) -> None:
         for key in ("question", "context"):
             if not isinstance(row[key], str) or not row[key].strip():
                 raise InputError(f"{where}: {key!r} is empty or not text.")
+        if not check_answers:  # --test_file: its answers, if any, are not read
+            continue
         answers = row["answers"]
         if not isinstance(answers, dict) or set(answers) != {"text", "answer_start"}:
             raise InputError(
@@ -166,6 +173,14 @@ def load_files(train_file: str, validation_file: str, columns: dict[str, str], v
     return QAData("custom", splits)
 
 
+def load_test(test_file: str, columns: dict[str, str]) -> datasets.Dataset:
+    """--do_predict: the questions of --test_file (SQuAD-format JSON or .json/.jsonl rows), with
+    or without answers; SQuAD has no test split on the Hub."""
+    table = read_file(test_file, columns, unanswered=True)
+    check_rows(table, test_file, version_2=True, check_answers=False)
+    return table
+
+
 # ----------------------------------------------------------------------------- tokenisation
 def tokenize_windows(
     splits,
@@ -181,9 +196,9 @@ def tokenize_windows(
 
     Training windows get `start_positions` / `end_positions`: the answer's first and last token,
     or the [CLS] token where the window does not hold the whole answer (and for unanswerable
-    questions). Validation windows keep `example_index` (their question's row) and
-    `offset_mapping` (character spans of the context tokens; None for the others) to map
-    logits back to text."""
+    questions). The windows of the other splits (validation, --do_predict's test) keep
+    `example_index` (their question's row) and `offset_mapping` (character spans of the context
+    tokens; None for the others) to map logits back to text."""
     check_max_length(tokenizer, max_seq_length)
     special = tokenizer.num_special_tokens_to_add(pair=True)
     room = max_seq_length - max_query_length - special
@@ -246,19 +261,25 @@ def tokenize_windows(
         ]
         return encoded
 
-    columns = splits["train"].column_names
-    train = splits["train"].map(
-        train_windows, batched=True, remove_columns=columns, num_proc=num_proc, desc="Tokenizing train"
-    )
-    validation = splits["validation"].map(
-        eval_windows,
-        batched=True,
-        with_indices=True,
-        remove_columns=splits["validation"].column_names,
-        num_proc=num_proc,
-        desc="Tokenizing validation",
-    )
-    return datasets.DatasetDict(train=train, validation=validation)
+    windows = datasets.DatasetDict()
+    for name, split in splits.items():
+        training = name == "train"
+        windows[name] = split.map(
+            train_windows if training else eval_windows,
+            batched=True,
+            with_indices=not training,
+            remove_columns=split.column_names,
+            num_proc=num_proc,
+            desc=f"Tokenizing {name}",
+        )
+    return windows
+
+
+def set_aside(windows: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
+    """Evaluation or test windows without what post-processing reads (their question's row, [CLS]
+    position and context offsets), and those, as lists: the model gets only its inputs."""
+    aside = ["example_index", "cls_index", "offset_mapping"]
+    return windows.remove_columns(aside), windows.select_columns(aside).to_dict()
 
 
 def cls_position(input_ids, tokenizer) -> int:
@@ -268,6 +289,28 @@ def cls_position(input_ids, tokenizer) -> int:
 
 
 # ----------------------------------------------------------------------------- answers
+def add_answer_args(group) -> None:
+    """The flags of `postprocess`: how the windows' logits become answer texts."""
+    group.add_argument("--n_best_size", type=int, default=20, help="Start and end candidates per window.")
+    group.add_argument("--max_answer_length", type=int, default=30, help="Longest answer, in tokens.")
+    group.add_argument(
+        "--null_score_diff_threshold",
+        type=float,
+        default=0.0,
+        help="SQuAD 2.0: answer nothing when null score - best span score exceeds this.",
+    )
+
+
+def answer_settings(args) -> dict:
+    """`postprocess`'s settings, from the recipe's flags."""
+    return {
+        "n_best_size": args.n_best_size,
+        "max_answer_length": args.max_answer_length,
+        "version_2": args.version_2_with_negative,
+        "null_score_diff_threshold": args.null_score_diff_threshold,
+    }
+
+
 def postprocess(
     examples: datasets.Dataset,
     windows: dict,
@@ -317,3 +360,28 @@ def postprocess(
                 answer = ""
         predictions[qid] = answer
     return predictions, null_odds
+
+
+def write_answers(output_dir: str, predictions: dict, null_odds: dict, prefix="") -> None:
+    """The files SQuAD's official evaluation scripts read: <prefix>predictions.json ({id: answer})
+    and, for SQuAD 2.0, <prefix>null_odds.json ({id: null score diff})."""
+    write_json_atomic(Path(output_dir) / f"{prefix}predictions.json", predictions)
+    if null_odds:
+        write_json_atomic(Path(output_dir) / f"{prefix}null_odds.json", null_odds)
+
+
+def metric_inputs(predictions: dict, null_odds: dict, examples) -> tuple[list, list]:
+    """The answers and the gold answers as the squad / squad_v2 metrics take them."""
+    formatted = [
+        {
+            "id": qid,
+            "prediction_text": text,
+            **({"no_answer_probability": null_odds[qid]} if null_odds else {}),
+        }
+        for qid, text in predictions.items()
+    ]
+    references = [
+        {"id": qid, "answers": answers}
+        for qid, answers in zip(examples["id"], examples["answers"], strict=True)
+    ]
+    return formatted, references

@@ -19,7 +19,7 @@ when to checkpoint; `TrainingRun` does the rest:
                 ...  # run.log({...}), run.evaluate(epoch + 1), run.save_checkpoint()
                 if run.preemption_requested():
                     run.checkpoint_and_exit()
-                if run.step >= schedule.max_train_steps:
+                if run.step >= schedule.max_train_steps or run.early_stopped:
                     break
             run.end_epoch()
         return run.save_final_model(tokenizer)
@@ -31,8 +31,10 @@ when to checkpoint; `TrainingRun` does the rest:
 - the loop's bookkeeping, each a method the recipe calls where it happens: epochs and the batches
   a resumed run skips, the micro-batch and optimizer-step counts and the progress bar, the
   skipped-step warning and the stop when no loss scale helps, evaluation and checkpoint saves, the
+  best evaluation (--metric_for_best_model: its checkpoint, early stopping; amp_recipes.best), the
   preemption exit (SIGTERM/SIGINT: a checkpoint, then exit 143/130);
-- the final save (`.final.tmp`, renamed into place) and its summary, `eval_results.json` last;
+- the final save (`.final.tmp`, renamed into place; --load_best_model_at_end: the best evaluation's
+  weights) and its summary, `eval_results.json` last;
 - `__exit__`, the one exit path of every run (finished, evaluated only, preempted, failed): the
   progress bar, signal handlers (kept after a lost rank, until its error is printed) and hooks go,
   the trackers end (finished or preempted runs; a failed one is left to the tracker's own crash
@@ -48,6 +50,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from . import checkpoint, hub, optim, outputs, records
+from .best import BestModel
 from .compiling import CompileMonitor
 from .errors import TrainingDiverged, lost_rank_message
 from .memory import gradient_checkpointing_on
@@ -75,6 +78,7 @@ class TrainingRun:
         self.initial_weights = None
         self.last_checkpoint = None  # ((step, epoch, batches_in_epoch), path) of the last one written
         self.nonfinite_at = None  # the first inf/NaN module found at this step, for the stop message
+        self.best = None  # --metric_for_best_model: the best evaluation so far (amp_recipes.best)
         self.ended = False  # the trackers end with a finished or preempted run, not a failed one
 
     def __enter__(self) -> TrainingRun:
@@ -101,14 +105,17 @@ class TrainingRun:
         of one seed in a paired run must start from the same weights."""
         self.initial_weights = records.weights_fingerprint(model)
 
-    def start(self, model, optimizer, train_dataloader, schedule, identity: dict, evaluate, facts=None):
+    def start(
+        self, model, optimizer, train_dataloader, schedule, identity: dict, evaluate, predict=None, facts=None
+    ):
         """After prepare(): resume, then set up telemetry, trackers and the run record.
         `identity`: what a checkpoint must match to be resumed by this run (its task, labels ...),
         also reported as run facts; `evaluate`: a function returning the `eval_*` scores of every
-        eval split; `facts`: more run facts of the recipe's own."""
+        eval split; `predict`: a function writing --do_predict's prediction files, returning their
+        `predict_*` counts; `facts`: more run facts of the recipe's own."""
         accelerator, args = self.accelerator, self.args
         log_fp8_report(self.precision, logger)  # AMP: the Linear layers prepare() made fp8, if any
-        self.model, self.schedule, self.evaluate_scores = model, schedule, evaluate
+        self.model, self.schedule, self.evaluate_scores, self.predict = model, schedule, evaluate, predict
         self.plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
         config = self.plain_model.config
         model_shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"
@@ -117,6 +124,8 @@ class TrainingRun:
             accelerator, args.resume_from_checkpoint, self.checkpoints_dir, self.identity
         )
         self.resumed, self.step = resumed, resumed["global_step"]
+        if args.metric_for_best_model:  # a resumed run compares against its checkpoint's best
+            self.best = BestModel(args, resumed.get("best"))
         # AMP: loss scale, skipped steps, grad norm, non-finite checks; created after a resume has
         # restored the GradScaler, so it starts from the checkpoint's loss scale.
         self.telemetry = StepTelemetry(
@@ -147,17 +156,41 @@ class TrainingRun:
         self.meter = ThroughputMeter(accelerator.device)  # samples/s, tokens/s, padding
 
     def evaluate(self, epoch) -> dict:
-        """Every eval split, logged; its time stays out of the throughput."""
+        """Every eval split, logged; its time stays out of the throughput. With
+        --metric_for_best_model, compared with the best evaluation so far."""
         with self.meter.paused():
             scores = self.evaluate_scores()
         self.results = {"epoch": epoch, **scores}
         logger.info(f"step {self.step}: {self.results}")
         self._record(self.results)
+        if self.best is not None and not self.args.eval_only:
+            self._track_best()
         return self.results
+
+    def _track_best(self) -> None:
+        """Is this evaluation the best so far? With --load_best_model_at_end its checkpoint is saved
+        (kept through rotation); after --early_stopping_patience evaluations without one, the run stops."""
+        best = self.best
+        if best.update(self.results, self.step):
+            logger.info(f"step {self.step}: the best {best.key} so far, {best.value}")
+            if self.args.load_best_model_at_end:
+                best.checkpoint = f"{checkpoint.PREFIX}{self.step}"  # named first: its own record says so
+                self.save_checkpoint()
+        elif best.stop:
+            logger.warning(
+                f"Early stopping after step {self.step}: {best.patience} evaluations without a better "
+                f"{best.key} than {best.value} (step {best.step})."
+            )
+
+    @property
+    def early_stopped(self) -> bool:
+        """--early_stopping_patience evaluations in a row brought no better --metric_for_best_model."""
+        return self.best is not None and self.best.stop
 
     def evaluate_only(self) -> dict:
         """--eval_only: evaluate the model (or the resumed checkpoint), write the results, stop."""
         results = {**self.evaluate(self.resumed["log_epoch"]), **self.facts, **self.compiled.report()}
+        results.update(self._predictions())  # --do_predict: the test examples' predictions, written
         self.record.write_results({**results, "model_name_or_path": self.args.model_name_or_path})
         records.write_final_figures(self.accelerator, results, self.step)  # W&B run summary, TensorBoard
         self.ended = True
@@ -174,6 +207,8 @@ class TrainingRun:
             disable=not self.accelerator.is_local_main_process,
         )
         for epoch in range(self.resumed["epoch"], self.schedule.num_epochs):
+            if self.early_stopped:  # also a resumed run whose checkpoint had stopped early
+                return
             self.epoch = epoch
             yield epoch
 
@@ -237,18 +272,31 @@ class TrainingRun:
         self._record(logs)
 
     def save_checkpoint(self, epoch=None, batches_in_epoch=None) -> Path:
-        """checkpoint-<step>, written aside and renamed when complete, at the loop's position."""
+        """checkpoint-<step>, written aside and renamed when complete, at the loop's position; not
+        again when this very position was just written (a best evaluation's checkpoint, then
+        --checkpointing_steps'; a preemption right after either): writing it again would cost time,
+        the launcher's grace time after a SIGTERM, and replace a complete checkpoint."""
         self._check_finite()  # AMP: never saves inf/NaN
+        epoch = self.epoch if epoch is None else epoch
+        batches_in_epoch = self.batches_in_epoch if batches_in_epoch is None else batches_in_epoch
+        if self.last_checkpoint and self.last_checkpoint[0] == (self.step, epoch, batches_in_epoch):
+            return self.last_checkpoint[1]
         position = {
             **self.identity,
-            "epoch": self.epoch if epoch is None else epoch,
-            "batches_in_epoch": self.batches_in_epoch if batches_in_epoch is None else batches_in_epoch,
+            "epoch": epoch,
+            "batches_in_epoch": batches_in_epoch,
             "telemetry": self.telemetry.state_dict(),  # AMP: skipped-step counts (the GradScaler's own)
+            "best": self.best.state_dict() if self.best else None,  # --metric_for_best_model, patience
         }
         path = checkpoint.save_checkpoint(
-            self.accelerator, self.checkpoints_dir, self.step, position, self.args.save_total_limit
+            self.accelerator,
+            self.checkpoints_dir,
+            self.step,
+            position,
+            self.args.save_total_limit,
+            keep=self.best.checkpoint if self.best else None,  # --load_best_model_at_end's
         )
-        self.last_checkpoint = ((self.step, position["epoch"], position["batches_in_epoch"]), path)
+        self.last_checkpoint = ((self.step, epoch, batches_in_epoch), path)
         return path
 
     def preemption_requested(self) -> bool:
@@ -257,13 +305,10 @@ class TrainingRun:
         return self.preemption.should_stop(self.accelerator, self.step)
 
     def checkpoint_and_exit(self) -> None:
-        """After a SIGTERM/SIGINT: a checkpoint of this step, then exit 143 (SIGTERM) or 130 (SIGINT)."""
-        # The checkpoint of this very position if --checkpointing_steps just wrote it (with
-        # several processes the stop comes at a multiple of 10 steps, often one): writing it
-        # again would cost the launcher's grace time and replace a complete checkpoint.
-        position, path = self.last_checkpoint or (None, None)
-        if position != (self.step, self.epoch, self.batches_in_epoch):
-            path = self.save_checkpoint()
+        """After a SIGTERM/SIGINT: a checkpoint of this step, then exit 143 (SIGTERM) or 130 (SIGINT).
+        With several processes the stop comes at a multiple of 10 steps, often a --checkpointing_steps
+        one: save_checkpoint then returns the checkpoint it just wrote."""
+        path = self.save_checkpoint()
         logger.warning(self.preemption.stop_message(self.step, path))
         self.ended = True
         raise SystemExit(self.preemption.exit_code)
@@ -279,6 +324,30 @@ class TrainingRun:
             self.save_checkpoint(self.epoch + 1, 0)
 
     # ------------------------------------------------------------------ the end
+    def _predictions(self) -> dict:
+        """--do_predict: the recipe's predict function writes the prediction files into
+        --output_dir; their counts (`predict_*`) go into eval_results.json."""
+        if not getattr(self.args, "do_predict", False):
+            return {}
+        counts = self.predict()
+        logger.info(f"Predictions written to {self.args.output_dir}: {counts}")
+        return counts
+
+    def _load_best_model(self) -> dict:
+        """--load_best_model_at_end: the best evaluation's weights back into the model, from its
+        checkpoint through accelerate's load_state as a resume does (FSDP and ZeRO shards too); its
+        scores, for eval_results.json. Nothing to do when the last evaluation was the best."""
+        best = self.best
+        if best.step is None or best.step == self.step:  # no finite score, or the model is the best
+            return {}
+        path = self.checkpoints_dir / best.checkpoint
+        if not path.is_dir() and "path" in self.resumed:  # resumed from another output folder's checkpoint
+            path = Path(self.resumed["path"]).parent / best.checkpoint
+        checkpoint.read_checkpoint(path, self.identity)  # complete, intact, of this run
+        checkpoint.load_checkpoint(self.accelerator, path)
+        logger.info(f"Loaded the best model (step {best.step}, {best.key} {best.value}) from {path}")
+        return best.results
+
     def save_final_model(self, tokenizer) -> dict:
         """The trained model and tokenizer, then eval_results.json with the run's summary."""
         accelerator, model = self.accelerator, self.model
@@ -296,7 +365,10 @@ class TrainingRun:
             **self.telemetry.summary(),  # AMP: fp16 skipped steps and final loss scale; non-finite losses
             "fp16_range": self.activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
             **self.compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
+            **(self.best.summary() if self.best else {}),  # the best evaluation's step; stopped early?
         }
+        if self.args.load_best_model_at_end:  # the best evaluation's weights and scores
+            summary.update(self._load_best_model())
         # AMP: the fp32 master weights, gathered under FSDP / ZeRO, under the plain model's names
         state_dict = outputs.plain_state_dict(accelerator, model)
         with self.output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
@@ -312,6 +384,7 @@ class TrainingRun:
                 # README.md: task, data, precision, settings, command, dev scores (model-index metadata)
                 card = hub.model_card(self.plain_model, self.args, summary, self.identity, self.hub_repo)
                 card.save(folder / "README.md")
+        summary.update(self._predictions())  # --do_predict: the final model's, on the test examples
         self.record.write_results(summary)  # written last: its presence means the run finished
         records.write_final_figures(accelerator, summary, self.step)  # W&B run summary, TensorBoard
         logger.info(f"Saved model and eval_results.json to {self.args.output_dir}: {summary}")

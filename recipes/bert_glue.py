@@ -21,7 +21,18 @@ from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, InitProc
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-from amp_recipes import arguments, batches, compiling, errors, glue, memory, metrics, optim, precision
+from amp_recipes import (
+    arguments,
+    batches,
+    compiling,
+    errors,
+    glue,
+    memory,
+    metrics,
+    optim,
+    precision,
+    records,
+)
 from amp_recipes.run import TrainingRun
 
 logger = get_logger(__name__)
@@ -40,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--train_file", help="Your own training data: .csv, .tsv, .json or .jsonl.")
     data.add_argument("--validation_file", help="Your own validation data, same format as --train_file.")
+    data.add_argument(
+        "--do_predict",
+        action="store_true",
+        help="Predict the test examples with the final model (or, with --eval_only, the given one): "
+        "predict_results_<task>.txt, GLUE's submission format.",
+    )
+    data.add_argument(
+        "--test_file", help="Your own examples to predict (--do_predict), with --train_file's text columns."
+    )
     data.add_argument(
         "--text_columns", help="Comma-separated text column(s) (default: sentence1,sentence2/sentence/text)."
     )
@@ -75,6 +95,10 @@ def parse_args(argv=None):
         parser.error("use either --task_name (GLUE) or --train_file/--validation_file (your data), not both.")
     if not args.task_name and not (args.train_file and args.validation_file):
         parser.error("give --task_name, or both --train_file and --validation_file.")
+    if args.test_file and not args.do_predict:
+        parser.error("--test_file holds the examples --do_predict predicts: add --do_predict.")
+    if args.task_name and args.test_file:
+        parser.error("--test_file is your own data's; a GLUE task predicts its own test split.")
     if args.task_name and args.text_columns:
         parser.error("--text_columns names the columns of --train_file; a GLUE task has its own.")
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
@@ -105,6 +129,9 @@ def load_data(args, tokenizer, accelerator):
         for split in task.eval_splits:
             task.splits[split] = batches.first_rows(task.splits[split], args.max_eval_samples)
         tokenized = glue.tokenize_splits(task, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+        # --do_predict: the GLUE task's test split(s) or --test_file, texts only.
+        tests = glue.load_test_splits(task, args.data_dir, args.test_file) if args.do_predict else {}
+        tests = glue.tokenize_splits(task, tokenizer, args.max_seq_length, splits=tests) if tests else {}
     # AMP: fp16/bf16 batches are padded to a multiple of 8, the shapes Tensor Cores run fastest.
     collator = glue.make_collator(tokenizer, accelerator.mixed_precision)
     loader_kwargs = batches.loader_settings(accelerator, collator, args.dataloader_num_workers)
@@ -124,10 +151,14 @@ def load_data(args, tokenizer, accelerator):
         split: DataLoader(tokenized[split], batch_size=args.per_device_eval_batch_size, **loader_kwargs)
         for split in task.eval_splits
     }
+    test_dataloaders = {
+        split: DataLoader(tests[split], batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+        for split in tests
+    }
     logger.info(
         f"{task.name}: {len(tokenized['train'])} training examples, eval splits {list(eval_dataloaders)}"
     )
-    return task, train_dataloader, eval_dataloaders
+    return task, train_dataloader, eval_dataloaders, test_dataloaders
 
 
 def load_model(args, config, task):
@@ -171,6 +202,32 @@ def evaluate(model, eval_dataloaders, metric, accelerator, is_regression):
     return results
 
 
+# ----------------------------------------------------------------------------- predict
+def predict(model, test_dataloaders, accelerator, task, output_dir) -> dict:
+    """--do_predict: each test split's predictions in GLUE's submission format (index, then the
+    label's name, or the score for regression), as predict_results_<task>.txt (MNLI's mismatched
+    split: predict_results_mnli-mm.txt), written by the main process."""
+    model.eval()
+    counts = {}
+    # AMP: no_grad, not inference_mode: torchao's fp8 Linear layers fail under it (pytorch/ao#643).
+    with torch.no_grad():
+        for split, dataloader in test_dataloaders.items():
+            predicted = []
+            for batch in accelerator.prepare_data_loader(dataloader):  # sharded only when predicting
+                logits = model(**batch).logits  # AMP: fp16/bf16 under autocast; argmax or .float() reads them
+                predictions = logits.squeeze(-1).float() if task.is_regression else logits.argmax(dim=-1)
+                predicted += accelerator.gather_for_metrics(predictions).cpu().tolist()  # in file order
+            suffix = "-mm" if split == "test_mismatched" else ""
+            if accelerator.is_main_process:
+                lines = glue.prediction_lines(predicted, task.label_names)
+                records.write_text_atomic(
+                    os.path.join(output_dir, f"predict_results_{task.name}{suffix}.txt"), lines
+                )
+            counts[f"predict_samples{suffix}"] = len(predicted)
+    model.train()
+    return counts
+
+
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -210,7 +267,7 @@ def main(argv=None):
         with errors.model_load_errors(args.model_name_or_path):
             tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
             config = AutoConfig.from_pretrained(args.model_name_or_path)
-        task, train_dataloader, eval_dataloaders = load_data(args, tokenizer, accelerator)
+        task, train_dataloader, eval_dataloaders, test_dataloaders = load_data(args, tokenizer, accelerator)
 
         # --------------------------------------------------------------------- model
         with precision.zero3_init(accelerator):  # AMP: ZeRO-3: 16-bit zero.Init only if the config asks
@@ -224,8 +281,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- optimizer
         optimizer = optim.make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
         schedule = optim.training_schedule(len(train_dataloader), accelerator, args)  # steps per process
-        # --lr_scheduler_type (linear, cosine, ...) after a linear warm-up of schedule.warmup_steps.
-        lr_scheduler = get_scheduler(
+        lr_scheduler = get_scheduler(  # --lr_scheduler_type (linear, cosine, ...) after a linear warm-up
             args.lr_scheduler_type, optimizer, schedule.warmup_steps, schedule.scheduler_steps
         )
 
@@ -247,6 +303,7 @@ def main(argv=None):
             schedule,
             identity={"task_name": task.name, "label_names": list(task.label_names or [])},
             evaluate=lambda: evaluate(model, eval_dataloaders, metric, accelerator, task.is_regression),
+            predict=lambda: predict(model, test_dataloaders, accelerator, task, args.output_dir),
         )
 
         # --------------------------------------------------------------------- train
@@ -295,8 +352,8 @@ def main(argv=None):
                     run.save_checkpoint()  # crash-safe: written aside, renamed when complete
                 if run.preemption_requested():  # SIGTERM/SIGINT: a scheduler's notice, Ctrl-C
                     run.checkpoint_and_exit()  # a checkpoint of this step, then exit 143 / 130
-                if run.step >= schedule.max_train_steps:
-                    break  # the run's last optimizer step (--max_train_steps or the epochs')
+                if run.step >= schedule.max_train_steps or run.early_stopped:  # --early_stopping_patience
+                    break  # the run's last optimizer step (--max_train_steps, the epochs' or an early stop)
             run.end_epoch()  # padding share; evaluation unless just done; --checkpointing_steps epoch
 
         # --------------------------------------------------------------------- save

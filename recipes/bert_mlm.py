@@ -199,8 +199,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- optimizer
         optimizer = optim.make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
         schedule = optim.training_schedule(len(train_dataloader), accelerator, args)  # steps per process
-        # --lr_scheduler_type (linear, cosine, ...) after a linear warm-up of schedule.warmup_steps.
-        lr_scheduler = get_scheduler(
+        lr_scheduler = get_scheduler(  # --lr_scheduler_type (linear, cosine, ...) after a linear warm-up
             args.lr_scheduler_type, optimizer, schedule.warmup_steps, schedule.scheduler_steps
         )
 
@@ -268,8 +267,8 @@ def main(argv=None):
                     run.save_checkpoint()  # crash-safe: written aside, renamed when complete
                 if run.preemption_requested():  # SIGTERM/SIGINT: a scheduler's notice, Ctrl-C
                     run.checkpoint_and_exit()  # a checkpoint of this step, then exit 143 / 130
-                if run.step >= schedule.max_train_steps:
-                    break  # the run's last optimizer step (--max_train_steps or the epochs')
+                if run.step >= schedule.max_train_steps or run.early_stopped:  # --early_stopping_patience
+                    break  # the run's last optimizer step (--max_train_steps, the epochs' or an early stop)
             run.end_epoch()  # padding share; evaluation unless just done; --checkpointing_steps epoch
 
         # --------------------------------------------------------------------- save

@@ -29,7 +29,7 @@ from transformers import (
     get_scheduler,
 )
 
-from amp_recipes import arguments, batches, compiling, errors, memory, metrics, ner, optim, precision
+from amp_recipes import arguments, batches, compiling, errors, memory, metrics, ner, optim, precision, records
 from amp_recipes.run import TrainingRun
 
 logger = get_logger(__name__)
@@ -51,6 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="Your own training data: CoNLL text (.txt, .conll: token ... tag) or .json/.jsonl.",
     )
     data.add_argument("--validation_file", help="Your own validation data, same format as --train_file.")
+    data.add_argument(
+        "--do_predict",
+        action="store_true",
+        help="Tag the test sentences with the final model (or, with --eval_only, the given one): "
+        "predictions.txt in CoNLL format (word tag).",
+    )
+    data.add_argument(
+        "--test_file",
+        help="Sentences to tag (--do_predict): CoNLL text (the words column is enough) or .json/.jsonl "
+        "(default: the Hub dataset's test split).",
+    )
     data.add_argument("--tokens_column", default="tokens", help="Words column of a .json/.jsonl file.")
     data.add_argument(
         "--tags_column", help="Tags column of a .json/.jsonl file (default: ner_tags, tags or labels)."
@@ -81,6 +92,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if bool(args.train_file) != bool(args.validation_file):
         parser.error("give both --train_file and --validation_file (or neither: the Hub's CoNLL-2003).")
+    if args.test_file and not args.do_predict:
+        parser.error("--test_file holds the sentences --do_predict tags: add --do_predict.")
+    if args.do_predict and args.train_file and not args.test_file:
+        parser.error("--do_predict with your own files needs --test_file, the sentences to tag.")
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     at_least_1 = (lambda v: v >= 1, "at least 1")
     arguments.check_ranges(
@@ -100,6 +115,8 @@ def load_data(args, tokenizer, accelerator):
             task = ner.load_hub(args.dataset_name, args.dataset_revision)
         task.splits["train"] = batches.first_rows(task.splits["train"], args.max_train_samples)
         task.splits["validation"] = batches.first_rows(task.splits["validation"], args.max_eval_samples)
+        if args.do_predict:  # the words to tag: --test_file, else the Hub dataset's test split
+            task.splits["test"] = ner.load_test(args.test_file, args.tokens_column, args.dataset_name)
         tokenized = ner.tokenize_and_align(
             task.splits,
             tokenizer,
@@ -113,10 +130,13 @@ def load_data(args, tokenizer, accelerator):
         "tags": list(task.splits["validation"]["tags"]),
         "word_index": list(tokenized["validation"]["word_index"]),
     }
-    train = tokenized["train"]
-    cut = sum(
-        len(t) - sum(w >= 0 for w in i) for t, i in zip(train["tags"], train["word_index"], strict=True)
-    )
+    test = None  # --do_predict: each test sentence's words, where their first sub-tokens are, its batches
+    if args.do_predict:
+        test = {
+            "tokens": list(task.splits["test"]["tokens"]),
+            "word_index": list(tokenized["test"]["word_index"]),
+        }
+    cut = ner.words_cut(tokenized["train"]["tags"], tokenized["train"]["word_index"])
     tokenized = tokenized.remove_columns(["tags", "word_index"])
     # AMP: fp16/bf16 batches are padded to a multiple of 8, the shapes Tensor Cores run fastest.
     collator = DataCollatorForTokenClassification(
@@ -138,19 +158,16 @@ def load_data(args, tokenizer, accelerator):
     eval_dataloader = DataLoader(
         tokenized["validation"], batch_size=args.per_device_eval_batch_size, **loader_kwargs
     )
+    if test:  # --do_predict
+        test["dataloader"] = DataLoader(
+            tokenized["test"], batch_size=args.per_device_eval_batch_size, **loader_kwargs
+        )
     logger.info(
         f"{task.name}: {len(tokenized['train'])} training sentences, {len(gold['tags'])} validation "
         f"sentences, tags {list(task.label_names)} ({task.scheme}); {cut} training words cut off by "
         f"--max_seq_length {args.max_seq_length} (no label for them)"
     )
-    return task, train_dataloader, eval_dataloader, gold
-
-
-def tokenizer_kwargs(config) -> dict:
-    """Byte-level BPE tokenizers (RoBERTa, ...) glue a word of a pre-split sentence to the one
-    before unless told that each word starts after a space."""
-    byte_level_bpe = {"roberta", "deberta", "longformer", "bart", "gpt2", "modernbert"}
-    return {"add_prefix_space": True} if config.model_type in byte_level_bpe else {}
+    return task, train_dataloader, eval_dataloader, gold, test
 
 
 def load_model(args, config, task):
@@ -168,43 +185,56 @@ def load_model(args, config, task):
 
 
 # ----------------------------------------------------------------------------- evaluate
-def evaluate(model, eval_dataloader, metric, accelerator, gold, label_names):
-    """Entity precision / recall / F1 (overall and per type) and word accuracy over every
-    validation word; words cut off by --max_seq_length count as predicted O."""
+def tag_words(model, dataloader, accelerator, sentences, word_index, label_names) -> list[list[str]]:
+    """Every sentence's predicted tag per word (`sentences`: its words or gold tags, in the data's
+    order), read at the word's first sub-token (`word_index`); a word cut off by --max_seq_length
+    is predicted O."""
     model.eval()
-    sentence, truncated_words = 0, 0
+    tagged = []
     # fork_rng: iterating a DataLoader draws from the global RNG, and evaluating must not change
     # the dropout and shuffling that training sees next (same run, whatever --eval_steps is).
     cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     # AMP: no_grad, not inference_mode: torchao's fp8 Linear layers fail under it (pytorch/ao#643).
     with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
-        for batch in eval_dataloader:
+        for batch in dataloader:
             logits = model(**batch).logits  # AMP: fp16/bf16 under autocast; argmax reads them as they are
             predictions = accelerator.pad_across_processes(logits.argmax(dim=-1), dim=1)  # lengths differ
             # gather_for_metrics drops the sentences the last batch repeats to fill every process, and
-            # keeps the validation order, so the i-th gathered row is the i-th validation sentence.
-            predictions = accelerator.gather_for_metrics(predictions).cpu().tolist()
-            references = gold["tags"][sentence : sentence + len(predictions)]
-            word_index = gold["word_index"][sentence : sentence + len(predictions)]
-            predicted = [
-                ner.word_tags(row, words, len(tags), label_names)
-                for row, words, tags in zip(predictions, word_index, references, strict=True)
-            ]
-            truncated_words += sum(
-                len(tags) - sum(w >= 0 for w in words)
-                for tags, words in zip(references, word_index, strict=True)
-            )
-            metric.add_batch(predictions=predicted, references=references)
-            sentence += len(predictions)
+            # keeps the data's order, so the i-th gathered row is the i-th sentence.
+            for row in accelerator.gather_for_metrics(predictions).cpu().tolist():
+                i = len(tagged)
+                tagged.append(ner.word_tags(row, word_index[i], len(sentences[i]), label_names))
     model.train()
+    return tagged
+
+
+def evaluate(model, eval_dataloader, metric, accelerator, gold, label_names):
+    """Entity precision / recall / F1 (overall and per type) and word accuracy over every
+    validation word; words cut off by --max_seq_length count as predicted O."""
+    predicted = tag_words(model, eval_dataloader, accelerator, gold["tags"], gold["word_index"], label_names)
+    truncated_words = ner.words_cut(gold["tags"], gold["word_index"])
     if truncated_words:
         logger.warning(
             f"{truncated_words} validation words were cut off by --max_seq_length and count as predicted O; "
             "raise --max_seq_length to tag them.",
             main_process_only=True,
         )
-    scores = {**metric.compute(), "samples": sentence, "truncated_words": truncated_words}
+    scores = metric.compute(predictions=predicted, references=gold["tags"])
+    scores = {**scores, "samples": len(predicted), "truncated_words": truncated_words}
     return {f"eval_{name}": value for name, value in scores.items()}
+
+
+# ----------------------------------------------------------------------------- predict
+def predict(model, test, accelerator, label_names, output_dir) -> dict:
+    """--do_predict: a tag for every word of every test sentence, in CoNLL format (`word tag`, a
+    blank line after each sentence): predictions.txt. Words cut off by --max_seq_length: O."""
+    dataloader = accelerator.prepare_data_loader(test["dataloader"])  # sharded only when predicting
+    tagged = tag_words(model, dataloader, accelerator, test["tokens"], test["word_index"], label_names)
+    if accelerator.is_main_process:
+        lines = ner.conll_lines(test["tokens"], tagged)
+        records.write_text_atomic(os.path.join(output_dir, "predictions.txt"), lines)
+    truncated_words = ner.words_cut(test["tokens"], test["word_index"])
+    return {"predict_samples": len(tagged), "predict_truncated_words": truncated_words}
 
 
 def main(argv=None):
@@ -245,8 +275,8 @@ def main(argv=None):
         # --------------------------------------------------------------------- data
         with errors.model_load_errors(args.model_name_or_path):
             config = AutoConfig.from_pretrained(args.model_name_or_path)
-            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **tokenizer_kwargs(config))
-        task, train_dataloader, eval_dataloader, gold = load_data(args, tokenizer, accelerator)
+            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **ner.tokenizer_kwargs(config))
+        task, train_dataloader, eval_dataloader, gold, test = load_data(args, tokenizer, accelerator)
 
         # --------------------------------------------------------------------- model
         with precision.zero3_init(accelerator):  # AMP: ZeRO-3: 16-bit zero.Init only if the config asks
@@ -260,8 +290,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- optimizer
         optimizer = optim.make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
         schedule = optim.training_schedule(len(train_dataloader), accelerator, args)  # steps per process
-        # --lr_scheduler_type (linear, cosine, ...) after a linear warm-up of schedule.warmup_steps.
-        lr_scheduler = get_scheduler(
+        lr_scheduler = get_scheduler(  # --lr_scheduler_type (linear, cosine, ...) after a linear warm-up
             args.lr_scheduler_type, optimizer, schedule.warmup_steps, schedule.scheduler_steps
         )
 
@@ -282,6 +311,7 @@ def main(argv=None):
             schedule,
             identity={"task_name": task.name, "label_names": list(task.label_names)},
             evaluate=lambda: evaluate(model, eval_dataloader, metric, accelerator, gold, task.label_names),
+            predict=lambda: predict(model, test, accelerator, task.label_names, args.output_dir),
             facts={"tag_scheme": task.scheme},
         )
 
@@ -331,8 +361,8 @@ def main(argv=None):
                     run.save_checkpoint()  # crash-safe: written aside, renamed when complete
                 if run.preemption_requested():  # SIGTERM/SIGINT: a scheduler's notice, Ctrl-C
                     run.checkpoint_and_exit()  # a checkpoint of this step, then exit 143 / 130
-                if run.step >= schedule.max_train_steps:
-                    break  # the run's last optimizer step (--max_train_steps or the epochs')
+                if run.step >= schedule.max_train_steps or run.early_stopped:  # --early_stopping_patience
+                    break  # the run's last optimizer step (--max_train_steps, the epochs' or an early stop)
             run.end_epoch()  # padding share; evaluation unless just done; --checkpointing_steps epoch
 
         # --------------------------------------------------------------------- save

@@ -15,7 +15,6 @@ import logging
 import math
 import os
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -30,7 +29,7 @@ from transformers import (
     get_scheduler,
 )
 
-from amp_recipes import arguments, batches, compiling, errors, memory, metrics, optim, precision, qa, records
+from amp_recipes import arguments, batches, compiling, errors, memory, metrics, optim, precision, qa
 from amp_recipes.run import TrainingRun
 
 logger = get_logger(__name__)
@@ -50,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="Your own training data: SQuAD-format .json, or .json/.jsonl rows (question, context, answers).",
     )
     data.add_argument("--validation_file", help="Your own validation data, same format as --train_file.")
+    data.add_argument(
+        "--do_predict",
+        action="store_true",
+        help="Answer --test_file's questions with the final model (or, with --eval_only, the given one): "
+        "predict_predictions.json, as SQuAD's evaluation script reads it.",
+    )
+    data.add_argument(
+        "--test_file",
+        help="Questions to answer (--do_predict), in --train_file's format; answers not needed.",
+    )
     data.add_argument("--question_column", default="question", help="Question column of .json/.jsonl rows.")
     data.add_argument("--context_column", default="context", help="Context column of .json/.jsonl rows.")
     data.add_argument(
@@ -73,15 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--group_by_length", action="store_true", help="Batch similar lengths together (less padding)."
     )
     arguments.add_worker_args(data)
-    answers = parser.add_argument_group("answers")
-    answers.add_argument("--n_best_size", type=int, default=20, help="Start and end candidates per window.")
-    answers.add_argument("--max_answer_length", type=int, default=30, help="Longest answer, in tokens.")
-    answers.add_argument(
-        "--null_score_diff_threshold",
-        type=float,
-        default=0.0,
-        help="SQuAD 2.0: answer nothing when null score - best span score exceeds this.",
-    )
+    qa.add_answer_args(parser.add_argument_group("answers"))  # how logits become answers (qa.postprocess)
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
     arguments.add_shared_args(parser, output_default="outputs/qa")  # training, precision, output flags
@@ -93,6 +94,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if bool(args.train_file) != bool(args.validation_file):
         parser.error("give both --train_file and --validation_file (or neither: the Hub's SQuAD).")
+    if bool(args.test_file) != args.do_predict:  # SQuAD has no test split on the Hub
+        parser.error("--do_predict answers the questions of --test_file: give both, or neither.")
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     at_least_1 = (lambda v: v >= 1, "at least 1")
     limits = ["max_seq_length", "doc_stride", "max_query_length", "max_train_samples", "max_eval_samples"]
@@ -104,20 +107,23 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- data
+def columns_of(args) -> dict:
+    """The columns of .json/.jsonl rows, by what they hold."""
+    return {"question": args.question_column, "context": args.context_column, "answers": args.answer_column}
+
+
 def load_data(args, tokenizer, accelerator):
     """The questions (Hub or your files), their windows and DataLoaders. Edit this function for other data."""
     with accelerator.main_process_first():  # the main process loads and tokenises, the others read its cache
         if args.train_file:
-            columns = {
-                "question": args.question_column,
-                "context": args.context_column,
-                "answers": args.answer_column,
-            }
+            columns = columns_of(args)
             task = qa.load_files(args.train_file, args.validation_file, columns, args.version_2_with_negative)
         else:
             task = qa.load_hub(args.version_2_with_negative, args.dataset_name)
         task.splits["train"] = batches.first_rows(task.splits["train"], args.max_train_samples)
         task.splits["validation"] = batches.first_rows(task.splits["validation"], args.max_eval_samples)
+        if args.do_predict:  # the questions to answer
+            task.splits["test"] = qa.load_test(args.test_file, columns_of(args))
         windows = qa.tokenize_windows(
             task.splits,
             tokenizer,
@@ -128,9 +134,7 @@ def load_data(args, tokenizer, accelerator):
         )
     # Evaluation maps each window's logits back to its question's context: kept aside, not batched.
     examples = task.splits["validation"]
-    aside = ["example_index", "cls_index", "offset_mapping"]
-    eval_windows = windows["validation"].select_columns(aside).to_dict()
-    windows["validation"] = windows["validation"].remove_columns(aside)
+    windows["validation"], eval_windows = qa.set_aside(windows["validation"])
     # AMP: fp16/bf16 batches are padded to a multiple of 8, the shapes Tensor Cores run fastest.
     collator = DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=batches.pad_multiple(accelerator.mixed_precision)
@@ -151,13 +155,20 @@ def load_data(args, tokenizer, accelerator):
     eval_dataloader = DataLoader(
         windows["validation"], batch_size=args.per_device_eval_batch_size, **loader_kwargs
     )
+    test = None  # --do_predict: the questions, their windows' positions (as evaluation's) and batches
+    if args.do_predict:
+        test_windows, positions = qa.set_aside(windows["test"])
+        test_dataloader = DataLoader(
+            test_windows, batch_size=args.per_device_eval_batch_size, **loader_kwargs
+        )
+        test = {"examples": task.splits["test"], "windows": positions, "dataloader": test_dataloader}
     unanswered = sum(not answers["text"] for answers in examples["answers"])
     logger.info(
         f"{task.name}: {len(task.splits['train'])} training questions in {len(windows['train'])} windows, "
         f"{len(examples)} validation questions ({unanswered} without an answer) in "
         f"{len(windows['validation'])} windows of {args.max_seq_length} tokens, stride {args.doc_stride}"
     )
-    return task, train_dataloader, eval_dataloader, {"examples": examples, "windows": eval_windows}
+    return task, train_dataloader, eval_dataloader, {"examples": examples, "windows": eval_windows}, test
 
 
 def load_model(args, config):
@@ -171,9 +182,9 @@ def load_model(args, config):
 
 
 # ----------------------------------------------------------------------------- evaluate
-def evaluate(model, eval_dataloader, metric, accelerator, gold, args):
-    """Answer every validation question from its windows' logits, write predictions.json (and
-    null_odds.json for SQuAD 2.0) to --output_dir, and score exact match and F1."""
+def answer(model, dataloader, accelerator, questions, args) -> tuple[dict, dict, int]:
+    """Every question's answer text from its windows' logits: ({id: answer}, SQuAD 2.0's {id:
+    null score diff}, the number of windows)."""
     model.eval()
     start_logits, end_logits = [], []
     # fork_rng: iterating a DataLoader draws from the global RNG, and evaluating must not change
@@ -181,7 +192,7 @@ def evaluate(model, eval_dataloader, metric, accelerator, gold, args):
     cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     # AMP: no_grad, not inference_mode: torchao's fp8 Linear layers fail under it (pytorch/ao#643).
     with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
-        for batch in eval_dataloader:
+        for batch in dataloader:
             outputs = model(**batch)
             # AMP: the logits leave autocast as float32: span scores add a start and an end logit and
             # SQuAD 2.0 subtracts two such sums, which fp16/bf16's few mantissa bits would round.
@@ -191,40 +202,37 @@ def evaluate(model, eval_dataloader, metric, accelerator, gold, args):
             starts = accelerator.pad_across_processes(starts, dim=1, pad_index=-10_000)
             ends = accelerator.pad_across_processes(ends, dim=1, pad_index=-10_000)
             # gather_for_metrics drops the windows the last batch repeats to fill every process, and
-            # keeps the validation order, so the i-th gathered row is the i-th validation window.
+            # keeps the data's order, so the i-th gathered row is the i-th window.
             starts, ends = accelerator.gather_for_metrics((starts, ends))
             start_logits.extend(starts.cpu().numpy())
             end_logits.extend(ends.cpu().numpy())
     model.train()
-    examples = gold["examples"]
     predictions, null_odds = qa.postprocess(
-        examples,
-        gold["windows"],
-        start_logits,
-        end_logits,
-        args.n_best_size,
-        args.max_answer_length,
-        args.version_2_with_negative,
-        args.null_score_diff_threshold,
+        questions["examples"], questions["windows"], start_logits, end_logits, **qa.answer_settings(args)
     )
+    return predictions, null_odds, len(start_logits)
+
+
+def evaluate(model, eval_dataloader, metric, accelerator, gold, args):
+    """Answer every validation question from its windows' logits, write predictions.json (and
+    null_odds.json for SQuAD 2.0) to --output_dir, and score exact match and F1."""
+    predictions, null_odds, windows = answer(model, eval_dataloader, accelerator, gold, args)
     if accelerator.is_main_process:  # the files SQuAD's official evaluation scripts read
-        records.write_json_atomic(Path(args.output_dir) / "predictions.json", predictions)
-        if args.version_2_with_negative:
-            records.write_json_atomic(Path(args.output_dir) / "null_odds.json", null_odds)
-    formatted = [
-        {
-            "id": qid,
-            "prediction_text": text,
-            **({"no_answer_probability": null_odds[qid]} if null_odds else {}),
-        }
-        for qid, text in predictions.items()
-    ]
-    references = [
-        {"id": qid, "answers": answers}
-        for qid, answers in zip(examples["id"], examples["answers"], strict=True)
-    ]
-    scores = {**metric.compute(predictions=formatted, references=references), "samples": len(examples)}
-    return {f"eval_{name}": value for name, value in {**scores, "windows": len(start_logits)}.items()}
+        qa.write_answers(args.output_dir, predictions, null_odds)
+    formatted, references = qa.metric_inputs(predictions, null_odds, gold["examples"])
+    scores = {**metric.compute(predictions=formatted, references=references), "samples": len(references)}
+    return {f"eval_{name}": value for name, value in {**scores, "windows": windows}.items()}
+
+
+# ----------------------------------------------------------------------------- predict
+def predict(model, test, accelerator, args) -> dict:
+    """--do_predict: every --test_file question's answer, as SQuAD's evaluation script reads them:
+    predict_predictions.json (and predict_null_odds.json for SQuAD 2.0)."""
+    dataloader = accelerator.prepare_data_loader(test["dataloader"])  # sharded only when predicting
+    predictions, null_odds, windows = answer(model, dataloader, accelerator, test, args)
+    if accelerator.is_main_process:
+        qa.write_answers(args.output_dir, predictions, null_odds, prefix="predict_")
+    return {"predict_samples": len(predictions), "predict_windows": windows}
 
 
 def main(argv=None):
@@ -266,7 +274,7 @@ def main(argv=None):
         with errors.model_load_errors(args.model_name_or_path):
             config = AutoConfig.from_pretrained(args.model_name_or_path)
             tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-        task, train_dataloader, eval_dataloader, gold = load_data(args, tokenizer, accelerator)
+        task, train_dataloader, eval_dataloader, gold, test = load_data(args, tokenizer, accelerator)
 
         # --------------------------------------------------------------------- model
         with precision.zero3_init(accelerator):  # AMP: ZeRO-3: 16-bit zero.Init only if the config asks
@@ -280,8 +288,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- optimizer
         optimizer = optim.make_optimizer(model, args, accelerator.device)  # AdamW, fused where torch has it
         schedule = optim.training_schedule(len(train_dataloader), accelerator, args)  # steps per process
-        # --lr_scheduler_type (linear, cosine, ...) after a linear warm-up of schedule.warmup_steps.
-        lr_scheduler = get_scheduler(
+        lr_scheduler = get_scheduler(  # --lr_scheduler_type (linear, cosine, ...) after a linear warm-up
             args.lr_scheduler_type, optimizer, schedule.warmup_steps, schedule.scheduler_steps
         )
 
@@ -302,6 +309,7 @@ def main(argv=None):
             schedule,
             identity={"task_name": task.name, "version_2_with_negative": args.version_2_with_negative},
             evaluate=lambda: evaluate(model, eval_dataloader, metric, accelerator, gold, args),
+            predict=lambda: predict(model, test, accelerator, args),
         )
 
         # --------------------------------------------------------------------- train
@@ -350,8 +358,8 @@ def main(argv=None):
                     run.save_checkpoint()  # crash-safe: written aside, renamed when complete
                 if run.preemption_requested():  # SIGTERM/SIGINT: a scheduler's notice, Ctrl-C
                     run.checkpoint_and_exit()  # a checkpoint of this step, then exit 143 / 130
-                if run.step >= schedule.max_train_steps:
-                    break  # the run's last optimizer step (--max_train_steps or the epochs')
+                if run.step >= schedule.max_train_steps or run.early_stopped:  # --early_stopping_patience
+                    break  # the run's last optimizer step (--max_train_steps, the epochs' or an early stop)
             run.end_epoch()  # padding share; evaluation unless just done; --checkpointing_steps epoch
 
         # --------------------------------------------------------------------- save

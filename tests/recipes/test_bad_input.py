@@ -605,6 +605,48 @@ def combination_cases():
     )
     yield Case("flag:abbreviated", ALL, setting(learning_r=1e-4), r"unrecognized arguments: --learning_r")
     yield Case(
+        "combo:test-file-without-do-predict",
+        ("bert_glue",),
+        setting(test_file="test.csv"),
+        r"--test_file holds the examples --do_predict predicts: add --do_predict\.$",
+    )
+    yield Case(
+        "combo:ner-test-file-without-do-predict",
+        ("bert_ner",),
+        setting(test_file="test.txt"),
+        r"--test_file holds the sentences --do_predict tags: add --do_predict\.$",
+    )
+    yield Case(
+        "combo:ner-predict-your-files-without-a-test-file",
+        ("bert_ner",),
+        setting(do_predict=True),
+        r"--do_predict with your own files needs --test_file, the sentences to tag\.$",
+    )
+    yield Case(
+        "combo:qa-predict-without-a-test-file",
+        ("bert_qa",),
+        setting(do_predict=True),
+        r"--do_predict answers the questions of --test_file: give both, or neither\.$",
+    )
+    yield Case(
+        "combo:test-file-for-a-glue-task",
+        ("bert_glue",),
+        setting(task_name="mrpc", train_file=None, validation_file=None, test_file="t.csv", do_predict=True),
+        r"--test_file is your own data's; a GLUE task predicts its own test split\.$",
+    )
+    yield Case(
+        "combo:best-model-without-a-metric",
+        ALL,
+        setting(load_best_model_at_end=True),
+        r"--load_best_model_at_end needs --metric_for_best_model \(e\.g\. accuracy, f1\) to compare evaluations\.$",
+    )
+    yield Case(
+        "combo:early-stopping-without-training",
+        ALL,
+        setting(metric_for_best_model="f1", early_stopping_patience=2, eval_only=True),
+        r"--early_stopping_patience acts on the evaluations of a training run; --eval_only trains nothing\.$",
+    )
+    yield Case(
         "combo:overwrite-and-resume",
         ALL,
         setting(resume_from_checkpoint="latest"),

@@ -3,6 +3,7 @@
 
 import ast
 import json
+import math
 import os
 import shlex
 import sys
@@ -454,3 +455,74 @@ def test_every_run_writes_a_model_card_the_hub_reads(recipe, tmp_path, monkeypat
     assert f"python {RECIPES / 'bert_glue.py'} --task_name mrpc" in card.text  # the command
     assert "--lr_scheduler_type cosine" in card.text and "with `bert_glue.py` of amp-recipes" in card.text
     assert f'pipeline("text-classification", model="{out}")' in card.text
+
+
+# ----------------------------------------------------------------------------- --do_predict
+def read_predictions(path: Path) -> list[str]:
+    """A predict_results file as GLUE's submission checker reads it: the header, then index and label."""
+    header, *rows = path.read_text().splitlines()
+    assert header == "index\tprediction"
+    indices, labels = zip(*(row.split("\t") for row in rows), strict=True)
+    assert list(indices) == [str(i) for i in range(len(rows))]
+    return list(labels)
+
+
+def test_do_predict_writes_the_test_splits_labels_from_the_trained_and_from_a_saved_model(recipe, tmp_path):
+    """--do_predict after training (pretrained MiniLM, whose new head answers both labels):
+    predict_results_mrpc.txt holds a label name for every one of MRPC's 1,725 test pairs
+    (data/glue/MRPC/test.tsv), the same labels transformers' pipeline gives on the saved folder,
+    and the same file again from that folder with --eval_only --do_predict."""
+    from conftest import minilm_path, train
+    from transformers import pipeline
+
+    flags = glue_flags(model_name_or_path=minilm_path(), max_train_steps=2, do_predict=True)
+    results = train(recipe, [*flags, "--output_dir", tmp_path / "run"])
+    assert results["predict_samples"] == 1725
+    labels = read_predictions(tmp_path / "run" / "predict_results_mrpc.txt")
+    assert len(labels) == 1725 and set(labels) == {"equivalent", "not_equivalent"}  # both predicted
+
+    # A user's check of the file: the saved folder through transformers' pipeline, pair by pair.
+    test = [row.split("\t") for row in (GLUE_DIR / "MRPC" / "test.tsv").read_text().splitlines()[1:41]]
+    classify = pipeline("text-classification", model=str(tmp_path / "run"), device="cpu")
+    expected = [classify({"text": row[3], "text_pair": row[4]})["label"] for row in test]
+    assert labels[:40] == expected
+
+    again = train(
+        recipe,
+        glue_flags(
+            model_name_or_path=tmp_path / "run",
+            eval_only=True,
+            do_predict=True,
+            output_dir=tmp_path / "predict",
+        ),
+    )
+    assert again["predict_samples"] == 1725
+    assert read_predictions(tmp_path / "predict" / "predict_results_mrpc.txt") == labels
+
+
+def test_do_predict_on_your_own_test_file(recipe, tmp_path):
+    """--test_file with the training file's text column and no label: one label name per row, in
+    the file's order; a regression task writes its scores with three decimals."""
+    from conftest import train
+
+    train_rows = "".join(f"{word} movie,{label}\n" for word, label in [("good", "pos"), ("bad", "neg")] * 8)
+    write(tmp_path / "train.csv", "text,label\n" + train_rows)
+    write(tmp_path / "test.csv", "text\nfine movie\nawful movie\nplain movie\n")
+    flags = glue_flags(task_name=None, data_dir=None, max_train_steps=2, do_predict=True)
+    files = ["--train_file", tmp_path / "train.csv", "--validation_file", tmp_path / "train.csv"]
+    results = train(
+        recipe, [*flags, *files, "--test_file", tmp_path / "test.csv", "--output_dir", tmp_path / "run"]
+    )
+    assert results["predict_samples"] == 3
+    assert set(read_predictions(tmp_path / "run" / "predict_results_custom.txt")) <= {"neg", "pos"}
+
+    scores = "".join(f"{word} movie,{score}\n" for word, score in [("good", 4.5), ("bad", 0.5)] * 8)
+    write(tmp_path / "scores.csv", "text,label\n" + scores)
+    files = ["--train_file", tmp_path / "scores.csv", "--validation_file", tmp_path / "scores.csv"]
+    files.append("--ignore_mismatched_sizes")  # the tiny model's head has two labels, regression one
+    results = train(
+        recipe, [*flags, *files, "--test_file", tmp_path / "test.csv", "--output_dir", tmp_path / "reg"]
+    )
+    values = read_predictions(tmp_path / "reg" / "predict_results_custom.txt")
+    assert len(values) == 3 and all(len(value.split(".")[1]) == 3 for value in values)
+    assert all(math.isfinite(float(value)) for value in values)

@@ -51,16 +51,15 @@ def tiny_model(tmp_path_factory):
     return output_dir, results
 
 
-def independent_scores(model_dir, max_seq_length, sentences):
-    """Word tags from the saved model with a plain loop (no accelerate, no amp_recipes): the tag at
-    each word's first sub-token, O for the words max_seq_length cut off; scored by seqeval."""
-    from seqeval.metrics import accuracy_score, f1_score, precision_score
+def independent_tags(model_dir, max_seq_length, sentences):
+    """Each sentence's tag per word from the saved model, one sentence at a time: the tag at each
+    word's first sub-token, O for the words max_seq_length cut off (and how many those were)."""
     from transformers import AutoModelForTokenClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForTokenClassification.from_pretrained(model_dir).eval()
-    gold, predicted, cut = [], [], 0
-    for words, tags in sentences:
+    predicted, cut = [], 0
+    for words in sentences:
         encoded = tokenizer(words, is_split_into_words=True, truncation=True, max_length=max_seq_length)
         with torch.inference_mode():
             ids = model(**{k: torch.tensor([v]) for k, v in encoded.items()}).logits[0].argmax(-1).tolist()
@@ -70,7 +69,17 @@ def independent_scores(model_dir, max_seq_length, sentences):
                 seen.add(word)
                 tags_here[word] = model.config.id2label[ids[position]]
         cut += len(words) - len(seen)
-        gold.append(tags), predicted.append(tags_here)
+        predicted.append(tags_here)
+    return predicted, cut
+
+
+def independent_scores(model_dir, max_seq_length, sentences):
+    """Word tags from the saved model with a plain loop (no accelerate, no amp_recipes): the tag at
+    each word's first sub-token, O for the words max_seq_length cut off; scored by seqeval."""
+    from seqeval.metrics import accuracy_score, f1_score, precision_score
+
+    predicted, cut = independent_tags(model_dir, max_seq_length, [words for words, _ in sentences])
+    gold = [tags for _, tags in sentences]
     return {
         "eval_f1": f1_score(gold, predicted),
         "eval_precision": precision_score(gold, predicted),
@@ -125,9 +134,14 @@ def test_eval_only_and_exact_resume(ner, tiny_model, tmp_path, monkeypatch):
 
 def test_two_processes_score_every_sentence_once(tiny_model, tmp_path):
     """41 sentences in batches of 8 on 2 processes: the last batch repeats sentences to fill both,
-    gather_for_metrics drops them, and the gathered rows stay in validation order."""
+    gather_for_metrics drops them, and the gathered rows stay in validation order. So do
+    --do_predict's test sentences."""
     model_dir, results = tiny_model
+    sentences = [words for words, _ in conll_sentences(CONLL / "valid.txt", 30)]
+    test_file = tmp_path / "test.txt"
+    test_file.write_text("".join("".join(f"{word}\n" for word in words) + "\n" for words in sentences))
     flags = [*tiny_run(tmp_path / "two"), "--model_name_or_path", model_dir, "--eval_only"]
+    flags += ["--do_predict", "--test_file", test_file]
     two = ["--multi_gpu", "--num_processes", 2, "--num_cpu_threads_per_process", 1]
     launched = run(accelerate_launch(*two, RECIPES / "bert_ner.py", *flags), tmp_path, ACCELERATE_USE_CPU="1")
     assert launched.returncode == 0, launched.stderr[-3000:]
@@ -136,6 +150,10 @@ def test_two_processes_score_every_sentence_once(tiny_model, tmp_path):
     assert {k: v for k, v in scores.items() if k.startswith("eval_")} == {
         k: v for k, v in results.items() if k.startswith("eval_")
     }
+    tagged = read_conll_predictions(tmp_path / "two" / "predictions.txt")
+    assert [[tag for _, tag in sentence] for sentence in tagged] == independent_tags(
+        model_dir, 24, sentences
+    )[0]
 
 
 @pytest.mark.slow
@@ -184,3 +202,41 @@ def test_fp16_skips_the_overflowing_step_and_evaluates_under_autocast(ner, tmp_p
     assert scales == [1024.0, 512.0, 512.0, 512.0]
     assert "step 2: fp16 overflow, optimizer step skipped, loss scale 1024 -> 512" in caplog.text
     assert 0 <= results["eval_f1"] <= 1 and results["eval_samples"] == 41
+
+
+def read_conll_predictions(path):
+    """predictions.txt as a CoNLL reader takes it: sentences of (word, tag), a blank line after each."""
+    blocks = path.read_text().split("\n\n")
+    assert blocks[-1] == ""  # the file ends with a sentence's blank line
+    return [[tuple(line.split(" ")) for line in block.splitlines()] for block in blocks[:-1]]
+
+
+def test_do_predict_tags_every_word_as_an_independent_tagger_does(ner, tiny_model, tmp_path):
+    """--eval_only --do_predict on the saved model with a words-only CoNLL test file (30 sentences
+    of valid.txt, its first column): predictions.txt has every word in order with the tag a plain
+    loop over the saved model gives, words cut off by --max_seq_length tagged O and counted."""
+    model_dir, _ = tiny_model
+    sentences = [words for words, _ in conll_sentences(CONLL / "valid.txt", 30)]
+    test_file = tmp_path / "test.txt"
+    test_file.write_text("".join("".join(f"{word}\n" for word in words) + "\n" for words in sentences))
+    flags = [*tiny_run(tmp_path / "p"), "--model_name_or_path", model_dir, "--eval_only"]
+    results = train(ner, [*flags, "--do_predict", "--test_file", test_file])
+    expected, cut = independent_tags(model_dir, 24, sentences)
+    assert results["predict_samples"] == 30 and results["predict_truncated_words"] == cut > 0
+    tagged = read_conll_predictions(tmp_path / "p" / "predictions.txt")
+    assert [[word for word, _ in sentence] for sentence in tagged] == sentences
+    assert [[tag for _, tag in sentence] for sentence in tagged] == expected
+    assert any(tag != "O" for tags in expected for tag in tags)  # the comparison includes entities
+
+
+def test_do_predict_after_training_on_a_json_test_file(ner, tmp_path):
+    """--do_predict after training, the test sentences as .jsonl rows of words (no tags): one
+    CoNLL block per row, tags of the training data's set."""
+    rows = [{"tokens": words} for words, _ in conll_sentences(CONLL / "valid.txt", 5)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    results = train(ner, tiny_run(tmp_path / "run", "--do_predict", "--test_file", tmp_path / "test.jsonl"))
+    assert results["predict_samples"] == 5
+    tagged = read_conll_predictions(tmp_path / "run" / "predictions.txt")
+    assert [[word for word, _ in sentence] for sentence in tagged] == [row["tokens"] for row in rows]
+    labels = set(json.loads((tmp_path / "run" / "config.json").read_text())["id2label"].values())
+    assert {tag for sentence in tagged for _, tag in sentence} <= labels

@@ -171,10 +171,15 @@ def test_eval_only_and_exact_resume(qa, tiny_model, tmp_path, monkeypatch):
 def test_two_processes_gather_every_window_once(tiny_model, tmp_path):
     """The 30 questions' windows in batches of 8 on 2 processes: the last batch repeats windows to
     fill both, gather_for_metrics drops them, and the gathered rows stay in window order, so
-    every question gets its own windows' logits: the same answers as one process."""
+    every question gets its own windows' logits: the same answers as one process. So does
+    --do_predict's gathering of the test questions' windows."""
     model_dir, results = tiny_model
     assert results["eval_windows"] % 16 != 0  # the last batch is uneven
+    questions = squad_rows(SQUAD / "dev.json", 40)[30:]
+    rows = [{"id": q["id"], "question": q["question"], "context": q["context"]} for q in questions]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     flags = [*tiny_run(tmp_path / "two"), "--model_name_or_path", model_dir, "--eval_only"]
+    flags += ["--do_predict", "--test_file", tmp_path / "test.jsonl"]
     two = ["--multi_gpu", "--num_processes", 2, "--num_cpu_threads_per_process", 1]
     launched = run(accelerate_launch(*two, RECIPES / "bert_qa.py", *flags), tmp_path, ACCELERATE_USE_CPU="1")
     assert launched.returncode == 0, launched.stderr[-3000:]
@@ -185,6 +190,8 @@ def test_two_processes_gather_every_window_once(tiny_model, tmp_path):
     }
     one = json.loads((model_dir / "predictions.json").read_text())
     assert json.loads((tmp_path / "two" / "predictions.json").read_text()) == one
+    predicted = json.loads((tmp_path / "two" / "predict_predictions.json").read_text())
+    assert predicted == independent_answers(model_dir, questions, **WINDOW)
 
 
 def test_fp16_logits_leave_autocast_as_float32(qa, tmp_path, monkeypatch, caplog):
@@ -200,9 +207,9 @@ def test_fp16_logits_leave_autocast_as_float32(qa, tmp_path, monkeypatch, caplog
         OverflowInjector(model, "bert.encoder.layer.1.output.dense", {2})
         model.qa_outputs.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
 
-    def recording(examples, windows, start_logits, end_logits, *rest):
+    def recording(examples, windows, start_logits, end_logits, **settings):
         seen.append({row.dtype for row in start_logits + end_logits})
-        return real_postprocess(examples, windows, start_logits, end_logits, *rest)
+        return real_postprocess(examples, windows, start_logits, end_logits, **settings)
 
     on_model_load(monkeypatch, qa, "AutoModelForQuestionAnswering", inject)
     monkeypatch.setattr(qa.qa, "postprocess", recording)
@@ -278,3 +285,24 @@ def test_squad_2_null_answers_and_threshold(qa, tiny_model, tmp_path):
     assert scores[1e6]["eval_NoAns_exact"] == 0.0  # a span for every question
     assert scores[-1e6]["eval_NoAns_exact"] == 100.0 and scores[-1e6]["eval_HasAns_exact"] == 0.0
     assert scores[-1e6]["eval_exact"] == pytest.approx(100 * no / 40)
+
+
+def test_do_predict_answers_the_test_files_questions_as_an_independent_evaluation_does(
+    qa, tiny_model, tmp_path
+):
+    """--eval_only --do_predict on the saved model, the test questions as .jsonl rows without
+    answers: predict_predictions.json holds, per id, the answer a plain loop over the saved model's
+    windows finds; the validation's predictions.json is the evaluation's, apart."""
+    model_dir, _ = tiny_model
+    questions = squad_rows(SQUAD / "dev.json", 40)[30:]  # questions the evaluation did not see
+    rows = [{"id": q["id"], "question": q["question"], "context": q["context"]} for q in questions]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = [*tiny_run(tmp_path / "p"), "--model_name_or_path", model_dir, "--eval_only"]
+    results = train(qa, [*flags, "--do_predict", "--test_file", tmp_path / "test.jsonl"])
+    assert results["predict_samples"] == 10 and results["predict_windows"] >= 10
+    predicted = json.loads((tmp_path / "p" / "predict_predictions.json").read_text())
+    assert predicted == independent_answers(model_dir, questions, **WINDOW)
+    assert any(predicted.values())  # answers, not empty strings
+    assert set(json.loads((tmp_path / "p" / "predictions.json").read_text())) == {
+        q["id"] for q in squad_rows(SQUAD / "dev.json", 30)
+    }

@@ -17,14 +17,17 @@ from conftest import (
     REPO,
     Fp16OnCpu,
     assert_same_training,
+    final_weights,
     glue_flags,
     history,
+    log_history,
     minilm_path,
     offline_env,
     run,
     stop_at,
     train,
 )
+from safetensors.torch import load_file
 
 from amp_recipes import checkpoint
 from amp_recipes.checkpoint import (
@@ -35,6 +38,7 @@ from amp_recipes.checkpoint import (
     rotate,
     save_checkpoint,
 )
+from amp_recipes.errors import InputError
 
 TINY = glue_flags(learning_rate=1e-3, logging_steps=1, seed=7)
 
@@ -501,3 +505,114 @@ def test_resumed_run_continues_the_same_wandb_run(recipe, tmp_path, monkeypatch,
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2
     assert runs[0].name.split("-")[-1] == runs[1].name.split("-")[-1]  # one W&B run id, resumed
+
+
+# ----------------------------------------------------------------------------- the best evaluation
+BEST = ["--eval_steps", 2, "--metric_for_best_model", "accuracy"]
+
+
+def evaluations(output_dir) -> dict:
+    """step -> eval_accuracy, as log_history.jsonl has every evaluation."""
+    return {row["step"]: row["eval_accuracy"] for row in log_history(output_dir) if "eval_accuracy" in row}
+
+
+def first_best(values: dict, greater_is_better=True) -> int:
+    """The step of the first evaluation with the best value (a tie is no improvement, as in the Trainer)."""
+    best = max(values.values()) if greater_is_better else min(values.values())
+    return min(step for step, value in values.items() if value == best)
+
+
+def test_the_best_evaluation_is_the_final_model_and_survives_a_resume(recipe, tmp_path, monkeypatch):
+    """--load_best_model_at_end: the final folder holds the weights of the best evaluation's
+    checkpoint (kept through --save_total_limit 1), eval_results.json its scores and step, a fresh
+    --eval_only of the folder gives those scores; a run stopped after the best and resumed ends
+    the same, weights and best step."""
+    argv = [*TINY, "--max_train_samples", 64, "--num_train_epochs", 2, *BEST, "--load_best_model_at_end"]
+    argv += ["--checkpointing_steps", 3, "--save_total_limit", 1]
+    reference = train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
+    logged = evaluations(tmp_path / "reference")
+    assert sorted(logged) == list(range(2, 17, 2))  # --eval_steps 2 over 16 steps (and each epoch's end)
+    best_step = first_best(logged)
+    assert best_step < reference["train_steps"] == 16, (
+        "the best must be an earlier step for this test to load it"
+    )
+    assert (
+        reference["best_step"] == best_step
+        and reference["best_model_checkpoint"] == f"checkpoint-{best_step}"
+    )
+    assert reference["best_metric"] == reference["eval_accuracy"] == logged[best_step]
+    assert reference["metric_for_best_model"] == "eval_accuracy" and reference["stopped_early"] is False
+    # Rotation kept the newest checkpoint and the best one.
+    checkpoints = tmp_path / "reference" / "checkpoints"
+    assert [p.name for p in complete_checkpoints(checkpoints)] == [f"checkpoint-{best_step}", "checkpoint-15"]
+    # The final weights are the best checkpoint's model, not the last step's.
+    final = final_weights(tmp_path / "reference")
+    best = load_file(str(checkpoints / f"checkpoint-{best_step}" / "model.safetensors"))
+    last = load_file(str(checkpoints / "checkpoint-15" / "model.safetensors"))
+    assert final.keys() <= best.keys()
+    assert all(torch.equal(final[key], best[key]) for key in final)
+    assert not all(torch.equal(final[key], last[key]) for key in final)
+    # As a user reads it back: --eval_only of the final folder.
+    again = train(
+        recipe,
+        glue_flags(model_name_or_path=tmp_path / "reference", eval_only=True, output_dir=tmp_path / "eval"),
+    )
+    assert again["eval_accuracy"] == reference["eval_accuracy"] and again["eval_f1"] == reference["eval_f1"]
+
+    resumed = stopped_and_resumed(recipe, argv, tmp_path / "resumed", monkeypatch, stop_step=5)
+    assert {k: resumed[k] for k in ("best_step", "best_metric", "eval_accuracy")} == {
+        k: reference[k] for k in ("best_step", "best_metric", "eval_accuracy")
+    }
+    assert_same_training(tmp_path / "reference", tmp_path / "resumed")
+
+
+def test_early_stopping_stops_after_patience_evaluations_and_survives_a_resume(recipe, tmp_path, monkeypatch):
+    """--early_stopping_patience 3: the run stops at the third evaluation in a row without a better
+    --metric_for_best_model; a run stopped before that and resumed stops at the same step with the
+    same weights (the patience count is in the checkpoint), and resuming the stopped run's last
+    checkpoint trains no further."""
+    argv = [*TINY, "--max_train_samples", 64, "--num_train_epochs", 2, *BEST, "--early_stopping_patience", 3]
+    argv += ["--checkpointing_steps", 2]
+    reference = train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
+    logged = evaluations(tmp_path / "reference")
+    steps = sorted(logged)
+    best_step = first_best(logged)
+    stop_step = steps[steps.index(best_step) + 3]  # the third evaluation after the best
+    assert steps[-1] == stop_step < 16  # nothing evaluated after the stop, and it came before the end
+    assert all(logged[step] <= logged[best_step] for step in steps)
+    assert reference["train_steps"] == stop_step and reference["stopped_early"] is True
+    assert reference["best_step"] == best_step and reference["eval_accuracy"] == logged[stop_step]
+    assert max(row["step"] for row in history(tmp_path / "reference")) == stop_step
+
+    resumed = stopped_and_resumed(recipe, argv, tmp_path / "resumed", monkeypatch, stop_step=stop_step - 1)
+    assert resumed["train_steps"] == stop_step and resumed["stopped_early"] is True
+    assert_same_training(tmp_path / "reference", tmp_path / "resumed")
+
+    # The stopped run's last checkpoint (taken after the evaluation that stopped it), resumed.
+    again = train(
+        recipe,
+        [
+            *argv,
+            "--output_dir",
+            str(tmp_path / "again"),
+            "--resume_from_checkpoint",
+            tmp_path / "reference" / "checkpoints" / f"checkpoint-{stop_step}",
+        ],
+    )
+    assert again["train_steps"] == stop_step and again["stopped_early"] is True
+    assert not history(tmp_path / "again")  # no step trained
+    weights, weights_again = final_weights(tmp_path / "reference"), final_weights(tmp_path / "again")
+    assert weights.keys() == weights_again.keys()
+    assert all(torch.equal(weights[key], weights_again[key]) for key in weights)
+
+
+def test_a_metric_the_evaluation_lacks_stops_the_run_at_its_first_evaluation(recipe, tmp_path):
+    """As the Trainer does: the scores are known at the first evaluation, which names them."""
+    argv = [*TINY, "--max_train_samples", 32, "--eval_steps", 1, "--metric_for_best_model", "acuracy"]
+    with pytest.raises(
+        InputError,
+        match=r"--metric_for_best_model eval_acuracy is not a score of this "
+        r"evaluation; it has eval_accuracy, eval_f1, eval_samples\.$",
+    ):
+        train(recipe, [*argv, "--output_dir", str(tmp_path / "run")])
+    assert [row["step"] for row in history(tmp_path / "run")] == [1]

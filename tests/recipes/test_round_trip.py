@@ -4,8 +4,9 @@ saved tensors, a fresh `--eval_only` of that model reproduces eval_results.json'
 trainable weight moved.
 
 Modes: fp32; bf16; fp8 (torchao emulated, the product's own Float8LinearConfig with emulate=True);
-fp16 (accelerate's real fp16 path through conftest's Fp16OnCpu); --torch_compile; two DDP processes
-over gloo; and both. torch.compile uses dynamo's `eager` backend: accelerate's regional compilation,
+fp16 (accelerate's real fp16 path through conftest's Fp16OnCpu); --torch_compile;
+--gradient_checkpointing; --load_best_model_at_end (every step evaluated: the final model and its
+scores are the first best evaluation's); two DDP processes over gloo; and both. torch.compile uses dynamo's `eager` backend: accelerate's regional compilation,
 its wrappers and the save path are the same as with inductor, whose C++ code generation would cost
 about 30 s a run on two cores.
 
@@ -42,6 +43,7 @@ from conftest import (
     engine_launch,
     glue_flags,
     load_recipe,
+    log_history,
     on_model_load,
     reset_accelerate,
     run,
@@ -81,6 +83,14 @@ PIPELINE_TAGS = {
     "bert_qa": "question-answering",
     "bert_mlm": "fill-mask",
 }
+BEST_METRIC = {"bert_glue": "accuracy", "bert_ner": "f1", "bert_qa": "f1", "bert_mlm": "loss"}  # MLM: lower
+
+
+def best_flags(name: str) -> list:
+    """A best_model row's training flags: every step evaluated, the best evaluation's weights kept."""
+    return ["--eval_steps", 1, "--load_best_model_at_end", "--metric_for_best_model", BEST_METRIC[name]]
+
+
 COMPILE = ["--torch_compile", "--torch_compile_backend", "eager"]
 MODES = {  # mode -> (recipe flags, how it is launched: in this process, two DDP processes, or a config)
     "fp32": ([], None),
@@ -89,6 +99,7 @@ MODES = {  # mode -> (recipe flags, how it is launched: in this process, two DDP
     "fp16": (["--mixed_precision", "fp16"], None),
     "compile": (COMPILE, None),
     "gradient_checkpointing": (["--gradient_checkpointing"], None),
+    "best_model": ([], None),  # every step evaluated, the best one's weights saved (flags_of, BEST)
     "ddp": ([], "ddp"),
     "ddp+compile": (COMPILE, "ddp"),
     # The configs ask for fp16: each row names its precision (the recipe's flag wins over the config).
@@ -99,6 +110,9 @@ MODES = {  # mode -> (recipe flags, how it is launched: in this process, two DDP
     # DeepSpeed's CPU accelerator has no fp16 ("Type fp16 is not supported on your device"): bf16.
     "zero2": (["--mixed_precision", "bf16"], "deepspeed_zero2.yaml"),
     "zero3": (["--mixed_precision", "bf16"], "deepspeed_zero3.yaml"),
+    # The best evaluation's weights loaded back at the end through the engine's own load_state.
+    "fsdp2+best_model": (["--mixed_precision", "no"], "fsdp.yaml"),
+    "zero3+best_model": (["--mixed_precision", "bf16"], "deepspeed_zero3.yaml"),
 }
 ENGINE_TYPE = {"fsdp.yaml": "FSDP", "deepspeed_zero2.yaml": "DEEPSPEED", "deepspeed_zero3.yaml": "DEEPSPEED"}
 TWO_PROCESSES = ["--multi_gpu", "--num_processes", 2, "--num_cpu_threads_per_process", 1]
@@ -107,7 +121,7 @@ TWO_PROCESSES = ["--multi_gpu", "--num_processes", 2, "--num_cpu_threads_per_pro
 # saved model's: the multi-process runs evaluated in two processes (other batches, so other padded
 # lengths), and bf16/fp16/fp8 round inside autocast, where a different batch layout changes the last
 # bits. (The bf16 and fp8 engine rows are ENGINE_EVAL's.)
-EXACT = {"fp32", "compile", "bf16", "fp8", "fp16", "gradient_checkpointing"}
+EXACT = {"fp32", "compile", "bf16", "fp8", "fp16", "gradient_checkpointing", "best_model"}
 TOLERANCE = 1e-4
 
 
@@ -118,10 +132,13 @@ def corpus(tmp_path_factory):
     return path
 
 
-def flags_of(name: str, mode: str, output_dir: Path, corpus: Path) -> list:
+def flags_of(name: str, mode: str, output_dir: Path, corpus: Path, training=True) -> list:
     _, flags = RECIPES[name]
     data = ["--train_file", corpus] if name == "bert_mlm" else []
-    return [*flags, *data, *COMMON, *MODES[mode][0], "--output_dir", output_dir]
+    best = best_flags(name) if training and "best_model" in mode else []
+    # GLUE's best_model rows also predict MRPC's test split, in the run and in the --eval_only run.
+    predict = ["--do_predict"] if name == "bert_glue" and "best_model" in mode else []
+    return [*flags, *data, *COMMON, *MODES[mode][0], *best, *predict, "--output_dir", output_dir]
 
 
 def in_process(name, mode, argv, monkeypatch, request, initial=None):
@@ -189,6 +206,7 @@ IN_CI = {
     ("bert_glue", "ddp+compile"),  # the DDP + torch.compile start-up is the recipes' shared code
     ("bert_glue", "fsdp2+fp8"),  # FSDP2, its mixed precision and torchao's fp8 all-gathers at once
     ("bert_glue", "zero3"),  # ZeRO-3: partitioned parameters, the gathered fp32 save, DeepSpeed's resume
+    ("bert_glue", "zero3+best_model"),  # the best checkpoint loaded back into partitioned parameters
     ("bert_mlm", "fsdp2"),  # the refusal
 }  # ZeRO-2 trains in CI in test_engines.py's NaN test; FSDP2 in fp32 there too
 
@@ -213,7 +231,7 @@ RESUMED = {"bert_glue", "bert_mlm"}
 # weights to bf16, DeepSpeed runs a bf16 copy of the module, where autocast casts per operation; a
 # tiny model's NER scores then move by a whole entity): its --eval_only runs through the same
 # launch, and must give the run's scores exactly. The fp32 engine rows evaluate here (TOLERANCE).
-ENGINE_EVAL = {"fsdp2+bf16", "fsdp2+fp8", "zero2", "zero3"}
+ENGINE_EVAL = {"fsdp2+bf16", "fsdp2+fp8", "zero2", "zero3", "zero3+best_model"}
 # accelerate's FSDP2 wrapping (1.15, 1.16) puts BERT's masked-LM decoder in a unit of its own and
 # the prediction head that owns the decoder's tied bias in another: the tie breaks, the decoder's
 # copy of the bias is not the optimizer's, and the recipe refuses before training.
@@ -258,6 +276,14 @@ def test_trains_saves_reloads_and_scores_the_same(
     if mode.endswith("compile"):
         assert results["compiled_graphs"] > 0
     assert results["gradient_checkpointing"] is (mode == "gradient_checkpointing")
+    if "best_model" in mode:  # the scores, and below the weights, of the first best evaluation
+        key = results["metric_for_best_model"]
+        logged = {row["step"]: row for row in log_history(output_dir) if key in row}
+        assert sorted(logged) == [1, 2, 3, 4]
+        pick = min if name == "bert_mlm" else max
+        best_step = min(s for s in logged if logged[s][key] == pick(row[key] for row in logged.values()))
+        assert results["best_step"] == best_step and results["best_metric"] == logged[best_step][key]
+        assert scores(results) == scores(logged[best_step])
 
     # The final model, as a user reloads it: the recipe's Auto class, every key found, the saved tensors.
     saved = load_file(str(output_dir / "model.safetensors"))
@@ -306,24 +332,35 @@ def test_trains_saves_reloads_and_scores_the_same(
     expected = scores(results)
     eval_flags = ["--model_name_or_path", output_dir, "--eval_only"]
     if mode in ENGINE_EVAL:  # the same engine and precision, two processes: the same arithmetic
-        launch(name, mode, [*flags_of(name, mode, tmp_path / "eval", corpus), *eval_flags], tmp_path)
+        eval_argv = [*flags_of(name, mode, tmp_path / "eval", corpus, training=False), *eval_flags]
+        launch(name, mode, eval_argv, tmp_path)
         again = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
         assert expected and scores(again) == expected
+        assert_same_predictions(output_dir, tmp_path / "eval")
         return
     eval_mode = "fp32" if how else mode
     again = in_process(
         name,
         eval_mode,
-        [*flags_of(name, eval_mode, tmp_path / "eval", corpus), *eval_flags],
+        [*flags_of(name, eval_mode, tmp_path / "eval", corpus, training=False), *eval_flags],
         monkeypatch,
         request,
     )
     assert expected and scores(again).keys() == expected.keys()
     if mode in EXACT:
         assert scores(again) == expected
+        assert_same_predictions(output_dir, tmp_path / "eval")
     else:
         for key, value in expected.items():
             assert math.isclose(scores(again)[key], value, rel_tol=TOLERANCE, abs_tol=TOLERANCE), key
+
+
+def assert_same_predictions(run_dir: Path, eval_dir: Path) -> None:
+    """--do_predict's file of the run (the final model) and of --eval_only on its folder: the same."""
+    written = sorted(path.name for path in run_dir.glob("predict_results_*.txt"))
+    assert written == sorted(path.name for path in eval_dir.glob("predict_results_*.txt"))
+    for name in written:
+        assert (run_dir / name).read_text() == (eval_dir / name).read_text(), name
 
 
 def tied_keys(model) -> set[str]:

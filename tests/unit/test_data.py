@@ -7,7 +7,14 @@ import pytest
 from conftest import GLUE_DIR
 
 from amp_recipes.errors import InputError
-from amp_recipes.glue import GLUE_TASKS, get_task, load_glue, load_user_files
+from amp_recipes.glue import (
+    GLUE_TASKS,
+    get_task,
+    load_glue,
+    load_test_splits,
+    load_user_files,
+    prediction_lines,
+)
 
 # Row counts from data/README.md; first/last rows copied from the files by hand.
 REAL_TASKS = {
@@ -365,3 +372,62 @@ def test_hub_unreachable_says_how_to_work_offline(monkeypatch):
     monkeypatch.delenv("GLUE_DIR", raising=False)  # no local files: the Hub is the source
     with pytest.raises(InputError, match=r"Could not load GLUE mrpc from the Hugging Face Hub .* --data_dir"):
         load_glue("mrpc")
+
+
+# ----------------------------------------------------------------------------- --do_predict's test splits
+def test_real_mrpc_test_split_has_every_pair_and_no_label():
+    task = load_glue("mrpc", GLUE_DIR)
+    tests = load_test_splits(task, GLUE_DIR)
+    assert list(tests) == ["test"] and tests["test"].num_rows == 1725
+    assert tests["test"].column_names == ["sentence1", "sentence2"]
+    assert tests["test"][1724]["sentence2"].endswith('"Re: Details".')  # the file's last pair, unmangled
+
+
+def test_mnli_predicts_matched_and_mismatched_and_cola_reads_its_test_header(tmp_path):
+    """MNLI's two test files (Hub names test_matched / test_mismatched); CoLA's test file has a
+    header (index, sentence) where its train and dev files have none."""
+    for name in ("test_matched.tsv", "test_mismatched.tsv"):
+        write_tsv(
+            tmp_path / "MNLI" / name, ["index", "sentence1", "sentence2"], [[0, "a", "NA"], [1, 'b"', "c"]]
+        )
+    write_tsv(tmp_path / "MNLI" / "train.tsv", MNLI_TRAIN, [])
+    tests = load_test_splits(get_task_data("mnli"), tmp_path)
+    assert list(tests) == ["test_matched", "test_mismatched"]
+    assert tests["test_mismatched"][:] == {"premise": ["a", 'b"'], "hypothesis": ["NA", "c"]}
+    write_tsv(tmp_path / "CoLA" / "train.tsv", None, [])
+    write_tsv(tmp_path / "CoLA" / "test.tsv", ["index", "sentence"], [[0, "Bill whistled past the house."]])
+    assert load_test_splits(get_task_data("cola"), tmp_path)["test"]["sentence"] == [
+        "Bill whistled past the house."
+    ]
+    (tmp_path / "CoLA" / "test.tsv").write_text("index\tfirst\n0\tx\n")
+    with pytest.raises(InputError, match=r"test\.tsv has no column\(s\) \['sentence'\] needed for cola"):
+        load_test_splits(get_task_data("cola"), tmp_path)
+
+
+def test_your_test_file_needs_the_training_files_text_columns(tmp_path):
+    write_user_file(
+        tmp_path / "train.csv", [{"text": "good", "label": "pos"}, {"text": "bad", "label": "neg"}]
+    )
+    task = load_user_files(str(tmp_path / "train.csv"), str(tmp_path / "train.csv"))
+    (tmp_path / "test.csv").write_text("text,label\nokay,pos\nmeh,\n")  # a label column is ignored
+    assert load_test_splits(task, test_file=str(tmp_path / "test.csv"))["test"][:] == {
+        "text": ["okay", "meh"]
+    }
+    (tmp_path / "test.csv").write_text("review\nokay\n")
+    with pytest.raises(InputError, match=r"test\.csv has no column\(s\) \['text'\]; found \['review'\]"):
+        load_test_splits(task, test_file=str(tmp_path / "test.csv"))
+
+
+def test_prediction_lines_are_glues_submission_format():
+    assert prediction_lines([1, 0], ("not_equivalent", "equivalent")) == (
+        "index\tprediction\n0\tequivalent\n1\tnot_equivalent\n"
+    )
+    assert prediction_lines([4.56789, -0.1], None) == "index\tprediction\n0\t4.568\n1\t-0.100\n"
+
+
+def get_task_data(name):
+    """A TaskData of a GLUE task without reading its training files (the test splits need only its texts)."""
+    from amp_recipes.glue import TaskData
+
+    task = get_task(name)
+    return TaskData(name, None, task.text_columns, task.label_names, name)

@@ -169,15 +169,19 @@ def test_every_documented_accelerate_launch_is_quiet():
 
 
 def test_the_checkpoints_example_checkpoints_before_its_run_ends():
-    """docs/checkpoints.md's MRPC example: its --checkpointing_steps falls inside the run (GLUE's
-    MRPC train split: 3,668 pairs), so its resume line has a checkpoint to resume."""
+    """docs/checkpoints.md's MRPC examples: --checkpointing_steps falls inside the run (GLUE's
+    MRPC train split: 3,668 pairs), so its resume line has a checkpoint to resume; the best
+    checkpoint's example evaluates (--eval_steps) often enough for its patience to act."""
     import math
 
     from conftest import load_recipe
 
     examples = [argv for page, _, argv in documented_recipe_commands() if page == "docs/checkpoints.md"]
-    assert len(examples) == 2 and "--resume_from_checkpoint" in examples[1]
-    for argv in examples:
+    assert len(examples) == 3 and "--resume_from_checkpoint" in examples[1]
+    for argv in examples[:2]:
         args = load_recipe("bert_glue").parse_args(argv)
         steps = math.ceil(3668 / args.per_device_train_batch_size) * args.num_train_epochs
         assert args.task_name == "mrpc" and 0 < int(args.checkpointing_steps) < steps, steps
+    args = load_recipe("bert_glue").parse_args(examples[2])
+    steps = math.ceil(3668 / args.per_device_train_batch_size) * args.num_train_epochs
+    assert args.load_best_model_at_end and args.eval_steps * (args.early_stopping_patience + 1) < steps

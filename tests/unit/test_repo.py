@@ -180,19 +180,20 @@ def test_the_recipes_mark_the_same_precision_lines():
 
 
 # Where each recipe's main() may differ from bert_glue.py's, line for line (indentation and blank
-# lines aside): data loading, the model class, the eval loaders, the metric, the evaluate() call, the
-# run facts. Everything else is the same code in all four: a loop, checkpoint or precision change
+# lines aside): data loading, the model class, the eval loaders, the metric, the evaluate() and
+# predict() calls (the masked LM predicts nothing), the run facts. Everything else is the same code in all four: a loop, checkpoint or precision change
 # made in one recipe only fails test_the_four_recipes_main_cannot_drift (accelerate's
 # tests/test_examples.py guards its examples the same way).
 # bert_glue.py's GLUE data, eval loaders, metric and evaluate() call, which every other recipe replaces.
 GLUE_LINES = [
-    "task, train_dataloader, eval_dataloaders = load_data(args, tokenizer, accelerator)",
+    "task, train_dataloader, eval_dataloaders, test_dataloaders = load_data(args, tokenizer, accelerator)",
     "model, optimizer, train_dataloader, lr_scheduler, *eval_loaders = accelerator.prepare(",
     "model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders.values()",
     "eval_dataloaders = dict(zip(eval_dataloaders, eval_loaders, strict=True))",
     'metric = metrics.load_metric("glue", task.metric_config)  # shipped with amp_recipes: works offline',
     'identity={"task_name": task.name, "label_names": list(task.label_names or [])},',
     "evaluate=lambda: evaluate(model, eval_dataloaders, metric, accelerator, task.is_regression),",
+    "predict=lambda: predict(model, test_dataloaders, accelerator, task, args.output_dir),",
 ]
 ONE_EVAL_LOADER = [
     "model, optimizer, train_dataloader, lr_scheduler, eval_dataloader = accelerator.prepare(",
@@ -202,12 +203,13 @@ MAIN_DIFFERENCES = {  # recipe: (bert_glue.py's lines besides GLUE_LINES, the re
     "bert_ner": (
         ["tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)"],
         [
-            "tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **tokenizer_kwargs(config))",
-            "task, train_dataloader, eval_dataloader, gold = load_data(args, tokenizer, accelerator)",
+            "tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **ner.tokenizer_kwargs(config))",
+            "task, train_dataloader, eval_dataloader, gold, test = load_data(args, tokenizer, accelerator)",
             *ONE_EVAL_LOADER,
             'metric = metrics.load_metric("seqeval")  # shipped with amp_recipes: works offline',
             'identity={"task_name": task.name, "label_names": list(task.label_names)},',
             "evaluate=lambda: evaluate(model, eval_dataloader, metric, accelerator, gold, task.label_names),",
+            "predict=lambda: predict(model, test, accelerator, task.label_names, args.output_dir),",
             'facts={"tag_scheme": task.scheme},',
         ],
     ),
@@ -218,12 +220,13 @@ MAIN_DIFFERENCES = {  # recipe: (bert_glue.py's lines besides GLUE_LINES, the re
         ],
         [
             "config = AutoConfig.from_pretrained(args.model_name_or_path)",
-            "task, train_dataloader, eval_dataloader, gold = load_data(args, tokenizer, accelerator)",
+            "task, train_dataloader, eval_dataloader, gold, test = load_data(args, tokenizer, accelerator)",
             "model = load_model(args, config)",
             *ONE_EVAL_LOADER,
             'metric = metrics.load_metric("squad", "v2" if args.version_2_with_negative else "v1")  # works offline',
             'identity={"task_name": task.name, "version_2_with_negative": args.version_2_with_negative},',
             "evaluate=lambda: evaluate(model, eval_dataloader, metric, accelerator, gold, args),",
+            "predict=lambda: predict(model, test, accelerator, args),",
         ],
     ),
     "bert_mlm": (
