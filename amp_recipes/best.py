@@ -33,6 +33,12 @@ class BestModel:
             self.greater_is_better = args.greater_is_better == "true"
         self.patience = args.early_stopping_patience
         state = state or {}
+        # A checkpoint's best ranked by another metric or direction is not this run's best.
+        self.restarted = bool(state) and (state.get("key"), state.get("greater_is_better")) != (
+            self.key,
+            self.greater_is_better,
+        )
+        state = {} if self.restarted else state
         self.value, self.step = state.get("value"), state.get("step")
         self.results = state.get("results")  # the best evaluation's scores, as eval_results.json has them
         self.checkpoint = state.get("checkpoint")  # its checkpoint's folder name (--load_best_model_at_end)
@@ -65,6 +71,8 @@ class BestModel:
 
     def state_dict(self) -> dict:
         return {
+            "key": self.key,
+            "greater_is_better": self.greater_is_better,
             "value": self.value,
             "step": self.step,
             "results": self.results,
@@ -72,13 +80,13 @@ class BestModel:
             "evaluations_without_improvement": self.evaluations_without_improvement,
         }
 
-    def summary(self) -> dict:
-        """For eval_results.json and the trackers: the metric, its best value and step, and whether
-        the run stopped early."""
+    def summary(self, stopped_early: bool) -> dict:
+        """For eval_results.json and the trackers: the metric, its best value and step, its
+        checkpoint, and whether the patience ran out before the last scheduled step."""
         return {
             "metric_for_best_model": self.key,
             "best_metric": self.value,
             "best_step": self.step,
             "best_model_checkpoint": self.checkpoint,
-            "stopped_early": self.stop,
+            "stopped_early": stopped_early,
         }

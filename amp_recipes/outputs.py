@@ -35,6 +35,8 @@ FINAL_STAGING = ".final.tmp"
 RESULTS = "eval_results.json"
 # transformers' weight files: a new final model replaces all of the old one's (sharded or not).
 WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin*")
+# --do_predict's files: GLUE's predict_results_<task>.txt, NER's predictions.txt, QA's predict_*.json.
+PREDICTION_PATTERNS = ("predict_results_*.txt", "predictions.txt", "predict_*.json")
 logger = get_logger(__name__)
 _held: dict[Path, OutputDir] = {}  # this process's locks, released at exit if the run did not
 
@@ -161,11 +163,15 @@ class OutputDir:
     # ------------------------------------------------------------------ the run
     def clear_previous_run(self, accelerator) -> None:
         """--overwrite_output_dir, once every input has been checked: the old run's checkpoints go
-        (a later `--resume_from_checkpoint latest` must not find them); its final model stays until
-        the new one replaces it."""
+        (a later `--resume_from_checkpoint latest` must not find them), and its prediction files
+        (they would pass for this run's); its final model stays until the new one replaces it."""
         if self.overwrite and self.is_main_process and (self.path / "checkpoints").exists():
             shutil.rmtree(self.path / "checkpoints")
             logger.info(f"--overwrite_output_dir: removed the previous run's checkpoints from {self.path}")
+        if self.overwrite and self.is_main_process:  # --do_predict's files: this run writes its own, or none
+            for pattern in PREDICTION_PATTERNS:
+                for old in self.path.glob(pattern):
+                    old.unlink()
         accelerator.wait_for_everyone()
 
     @contextlib.contextmanager

@@ -79,6 +79,7 @@ class TrainingRun:
         self.last_checkpoint = None  # ((step, epoch, batches_in_epoch), path) of the last one written
         self.nonfinite_at = None  # the first inf/NaN module found at this step, for the stop message
         self.best = None  # --metric_for_best_model: the best evaluation so far (amp_recipes.best)
+        self.evaluated_step = None  # the step of the last evaluation (an epoch's end does not repeat it)
         self.ended = False  # the trackers end with a finished or preempted run, not a failed one
 
     def __enter__(self) -> TrainingRun:
@@ -124,8 +125,10 @@ class TrainingRun:
             accelerator, args.resume_from_checkpoint, self.checkpoints_dir, self.identity
         )
         self.resumed, self.step = resumed, resumed["global_step"]
+        # The last evaluation's scores and step: a resumed run that evaluates no more reports them.
+        self.results, self.evaluated_step = resumed.get("results") or {}, resumed.get("evaluated_step")
         if args.metric_for_best_model:  # a resumed run compares against its checkpoint's best
-            self.best = BestModel(args, resumed.get("best"))
+            self.start_best(resumed.get("best"))
         # AMP: loss scale, skipped steps, grad norm, non-finite checks; created after a resume has
         # restored the GradScaler, so it starts from the checkpoint's loss scale.
         self.telemetry = StepTelemetry(
@@ -163,9 +166,35 @@ class TrainingRun:
         self.results = {"epoch": epoch, **scores}
         logger.info(f"step {self.step}: {self.results}")
         self._record(self.results)
+        self.evaluated_step = self.step
         if self.best is not None and not self.args.eval_only:
             self._track_best()
         return self.results
+
+    def start_best(self, state: dict | None) -> None:
+        """The best evaluation so far: a fresh one, or the resumed checkpoint's (unless it ranked by
+        another metric, or its best checkpoint is gone: then a fresh one, said in a warning)."""
+        self.best = BestModel(self.args, state)
+        if self.best.restarted:
+            logger.warning(
+                f"The checkpoint's best evaluation was ranked otherwise: a new best by {self.best.key}."
+            )
+        path = self._best_checkpoint()
+        if self.args.load_best_model_at_end and path is not None and not path.is_dir():
+            logger.warning(
+                f"The best evaluation's checkpoint {path} is gone: a new best from this run's evaluations."
+            )
+            self.best = BestModel(self.args)
+
+    def _best_checkpoint(self) -> Path | None:
+        """The best evaluation's checkpoint: in this run's checkpoints, or beside the checkpoint it
+        resumed from (another output folder's); None when none was saved."""
+        if self.best is None or not self.best.checkpoint:
+            return None
+        path = self.checkpoints_dir / self.best.checkpoint
+        if not path.is_dir() and "path" in self.resumed:
+            path = Path(self.resumed["path"]).parent / self.best.checkpoint
+        return path
 
     def _track_best(self) -> None:
         """Is this evaluation the best so far? With --load_best_model_at_end its checkpoint is saved
@@ -271,14 +300,13 @@ class TrainingRun:
         self.progress.set_postfix({k: logs[k] for k in ("loss", "loss_scale", "skipped_steps") if k in logs})
         self._record(logs)
 
-    def save_checkpoint(self, epoch=None, batches_in_epoch=None) -> Path:
+    def save_checkpoint(self) -> Path:
         """checkpoint-<step>, written aside and renamed when complete, at the loop's position; not
         again when this very position was just written (a best evaluation's checkpoint, then
         --checkpointing_steps'; a preemption right after either): writing it again would cost time,
         the launcher's grace time after a SIGTERM, and replace a complete checkpoint."""
         self._check_finite()  # AMP: never saves inf/NaN
-        epoch = self.epoch if epoch is None else epoch
-        batches_in_epoch = self.batches_in_epoch if batches_in_epoch is None else batches_in_epoch
+        epoch, batches_in_epoch = self.epoch, self.batches_in_epoch
         if self.last_checkpoint and self.last_checkpoint[0] == (self.step, epoch, batches_in_epoch):
             return self.last_checkpoint[1]
         position = {
@@ -287,6 +315,8 @@ class TrainingRun:
             "batches_in_epoch": batches_in_epoch,
             "telemetry": self.telemetry.state_dict(),  # AMP: skipped-step counts (the GradScaler's own)
             "best": self.best.state_dict() if self.best else None,  # --metric_for_best_model, patience
+            "results": self.results,  # the last evaluation's scores
+            "evaluated_step": self.evaluated_step,
         }
         path = checkpoint.save_checkpoint(
             self.accelerator,
@@ -314,14 +344,17 @@ class TrainingRun:
         raise SystemExit(self.preemption.exit_code)
 
     def end_epoch(self) -> None:
-        """The epoch's padding share; an evaluation (unless one just ran); --checkpointing_steps epoch."""
+        """The epoch's padding share; an evaluation (unless this step had one: --eval_steps', or
+        before a resume); --checkpointing_steps epoch. From here the position is the next epoch's
+        start, so a checkpoint saved now (the epoch's, a best evaluation's) resumes there."""
         padding = self.meter.epoch_padding_fraction(self.accelerator)  # --group_by_length lowers it
         logger.info(f"epoch {self.epoch + 1}: {padding:.1%} of the batches' tokens were padding")
         self._record({"epoch_padding_fraction": padding})
-        if not (self.args.eval_steps and self.step % self.args.eval_steps == 0):
-            self.evaluate(self.epoch + 1)
+        self.epoch, self.batches_in_epoch = self.epoch + 1, 0
+        if self.evaluated_step != self.step:
+            self.evaluate(self.epoch)
         if self.args.checkpointing_steps == "epoch":
-            self.save_checkpoint(self.epoch + 1, 0)
+            self.save_checkpoint()
 
     # ------------------------------------------------------------------ the end
     def _predictions(self) -> dict:
@@ -340,9 +373,12 @@ class TrainingRun:
         best = self.best
         if best.step is None or best.step == self.step:  # no finite score, or the model is the best
             return {}
-        path = self.checkpoints_dir / best.checkpoint
-        if not path.is_dir() and "path" in self.resumed:  # resumed from another output folder's checkpoint
-            path = Path(self.resumed["path"]).parent / best.checkpoint
+        path = self._best_checkpoint()
+        if path is None:  # --load_best_model_at_end given only when resuming, and no better evaluation since
+            logger.warning(
+                f"No checkpoint holds the best evaluation (step {best.step}): the final model is the last step's."
+            )
+            return {}
         checkpoint.read_checkpoint(path, self.identity)  # complete, intact, of this run
         checkpoint.load_checkpoint(self.accelerator, path)
         logger.info(f"Loaded the best model (step {best.step}, {best.key} {best.value}) from {path}")
@@ -365,7 +401,12 @@ class TrainingRun:
             **self.telemetry.summary(),  # AMP: fp16 skipped steps and final loss scale; non-finite losses
             "fp16_range": self.activations.read(),  # AMP: max |activation| / 65504 of the modules closest to it
             **self.compiled.report(),  # --torch_compile: compiled_graphs, recompile_limit_hit
-            **(self.best.summary() if self.best else {}),  # the best evaluation's step; stopped early?
+            # The best evaluation's step; whether the patience ran out before the last scheduled step.
+            **(
+                self.best.summary(self.early_stopped and self.step < self.schedule.max_train_steps)
+                if self.best
+                else {}
+            ),
         }
         if self.args.load_best_model_at_end:  # the best evaluation's weights and scores
             summary.update(self._load_best_model())

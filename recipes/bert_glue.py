@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--do_predict",
         action="store_true",
         help="Predict the test examples with the final model (or, with --eval_only, the given one): "
-        "predict_results_<task>.txt, GLUE's submission format.",
+        "predict_results_<task>.txt (index, label name), as transformers' run_glue.py writes it.",
     )
     data.add_argument(
         "--test_file", help="Your own examples to predict (--do_predict), with --train_file's text columns."
@@ -99,6 +99,8 @@ def parse_args(argv=None):
         parser.error("--test_file holds the examples --do_predict predicts: add --do_predict.")
     if args.task_name and args.test_file:
         parser.error("--test_file is your own data's; a GLUE task predicts its own test split.")
+    if args.do_predict and args.train_file and not args.test_file:
+        parser.error("--do_predict with your own files needs --test_file, the examples to predict.")
     if args.task_name and args.text_columns:
         parser.error("--text_columns names the columns of --train_file; a GLUE task has its own.")
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
@@ -217,13 +219,12 @@ def predict(model, test_dataloaders, accelerator, task, output_dir) -> dict:
                 logits = model(**batch).logits  # AMP: fp16/bf16 under autocast; argmax or .float() reads them
                 predictions = logits.squeeze(-1).float() if task.is_regression else logits.argmax(dim=-1)
                 predicted += accelerator.gather_for_metrics(predictions).cpu().tolist()  # in file order
-            suffix = "-mm" if split == "test_mismatched" else ""
+            mismatched = split == "test_mismatched"  # MNLI: predict_results_mnli-mm.txt, as run_glue.py
             if accelerator.is_main_process:
                 lines = glue.prediction_lines(predicted, task.label_names)
-                records.write_text_atomic(
-                    os.path.join(output_dir, f"predict_results_{task.name}{suffix}.txt"), lines
-                )
-            counts[f"predict_samples{suffix}"] = len(predicted)
+                name = f"predict_results_{task.name}{'-mm' if mismatched else ''}.txt"
+                records.write_text_atomic(os.path.join(output_dir, name), lines)
+            counts[f"predict_samples{'_mm' if mismatched else ''}"] = len(predicted)  # as evaluation's keys
     model.train()
     return counts
 

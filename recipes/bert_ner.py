@@ -116,7 +116,9 @@ def load_data(args, tokenizer, accelerator):
         task.splits["train"] = batches.first_rows(task.splits["train"], args.max_train_samples)
         task.splits["validation"] = batches.first_rows(task.splits["validation"], args.max_eval_samples)
         if args.do_predict:  # the words to tag: --test_file, else the Hub dataset's test split
-            task.splits["test"] = ner.load_test(args.test_file, args.tokens_column, args.dataset_name)
+            task.splits["test"] = ner.load_test(
+                args.test_file, args.tokens_column, args.dataset_name, args.dataset_revision
+            )
         tokenized = ner.tokenize_and_align(
             task.splits,
             tokenizer,

@@ -629,6 +629,12 @@ def combination_cases():
         r"--do_predict answers the questions of --test_file: give both, or neither\.$",
     )
     yield Case(
+        "combo:glue-predict-your-files-without-a-test-file",
+        ("bert_glue",),
+        setting(do_predict=True),
+        r"--do_predict with your own files needs --test_file, the examples to predict\.$",
+    )
+    yield Case(
         "combo:test-file-for-a-glue-task",
         ("bert_glue",),
         setting(task_name="mrpc", train_file=None, validation_file=None, test_file="t.csv", do_predict=True),

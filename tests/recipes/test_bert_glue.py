@@ -501,8 +501,9 @@ def test_do_predict_writes_the_test_splits_labels_from_the_trained_and_from_a_sa
 
 
 def test_do_predict_on_your_own_test_file(recipe, tmp_path):
-    """--test_file with the training file's text column and no label: one label name per row, in
-    the file's order; a regression task writes its scores with three decimals."""
+    """--test_file with the training file's text column and no label: an index and a label name
+    per row; a regression task writes its scores with three decimals; --overwrite_output_dir
+    without --do_predict leaves no prediction file of the run it replaced."""
     from conftest import train
 
     train_rows = "".join(f"{word} movie,{label}\n" for word, label in [("good", "pos"), ("bad", "neg")] * 8)
@@ -526,3 +527,6 @@ def test_do_predict_on_your_own_test_file(recipe, tmp_path):
     values = read_predictions(tmp_path / "reg" / "predict_results_custom.txt")
     assert len(values) == 3 and all(len(value.split(".")[1]) == 3 for value in values)
     assert all(math.isfinite(float(value)) for value in values)
+    flags = [flag for flag in flags if flag != "--do_predict"]
+    train(recipe, [*flags, *files, "--output_dir", tmp_path / "reg", "--overwrite_output_dir"])
+    assert not (tmp_path / "reg" / "predict_results_custom.txt").exists()

@@ -616,3 +616,52 @@ def test_a_metric_the_evaluation_lacks_stops_the_run_at_its_first_evaluation(rec
     ):
         train(recipe, [*argv, "--output_dir", str(tmp_path / "run")])
     assert [row["step"] for row in history(tmp_path / "run")] == [1]
+
+
+def test_epoch_end_evaluations_resume_without_being_repeated_or_counted_twice(recipe, tmp_path, monkeypatch):
+    """Evaluations at epochs' ends only (no --eval_steps), --early_stopping_patience 2 and
+    --load_best_model_at_end: the run stops at the second epoch without a better score. Resumed
+    from the first epoch's checkpoint (its best), the run evaluates no step twice and stops where
+    the uninterrupted run did, with its weights; so does a run stopped mid-epoch. Resumed from the
+    checkpoint taken at the stop, it trains nothing and reports the scores it stopped with."""
+    argv = [*TINY, "--max_train_samples", 64, "--num_train_epochs", 5, "--metric_for_best_model", "accuracy"]
+    argv += ["--early_stopping_patience", 2, "--load_best_model_at_end", "--checkpointing_steps", "epoch"]
+    reference = train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
+    logged = evaluations(tmp_path / "reference")
+    best_step = first_best(logged)
+    assert sorted(logged) == [8 * epoch for epoch in range(1, len(logged) + 1)]  # one per epoch, 8 steps each
+    assert reference["train_steps"] == best_step + 16 < 40 and reference["stopped_early"] is True
+
+    from_best = train(
+        recipe,
+        [
+            *argv,
+            "--output_dir",
+            str(tmp_path / "from-best"),
+            "--resume_from_checkpoint",
+            tmp_path / "reference" / "checkpoints" / f"checkpoint-{best_step}",
+        ],
+    )
+    assert sorted(evaluations(tmp_path / "from-best")) == [best_step + 8, best_step + 16]  # none repeated
+    assert from_best["train_steps"] == reference["train_steps"] and from_best["best_step"] == best_step
+    weights, again = final_weights(tmp_path / "reference"), final_weights(tmp_path / "from-best")
+    assert all(torch.equal(weights[key], again[key]) for key in weights)
+
+    stopped_and_resumed(recipe, argv, tmp_path / "resumed", monkeypatch, stop_step=best_step + 4)
+    assert_same_training(tmp_path / "reference", tmp_path / "resumed")
+
+    after_stop = train(
+        recipe,
+        [
+            *argv,
+            "--output_dir",
+            str(tmp_path / "after-stop"),
+            "--resume_from_checkpoint",
+            tmp_path / "reference" / "checkpoints" / f"checkpoint-{reference['train_steps']}",
+        ],
+    )
+    assert not evaluations(tmp_path / "after-stop") and not history(tmp_path / "after-stop")
+    assert (
+        after_stop["eval_accuracy"] == reference["eval_accuracy"]
+        and after_stop["train_steps"] == reference["train_steps"]
+    )

@@ -59,8 +59,8 @@ def test_a_checkpoints_state_continues_the_same_comparison():
     best.update({"eval_accuracy": 0.7}, 20)
     resumed = BestModel(settings(patience=3), best.state_dict())
     assert (
-        resumed.summary()
-        == best.summary()
+        resumed.summary(stopped_early=False)
+        == best.summary(stopped_early=False)
         == {
             "metric_for_best_model": "eval_accuracy",
             "best_metric": 0.8,
@@ -78,3 +78,12 @@ def test_a_metric_the_evaluation_lacks_names_what_it_has():
         InputError, match=r"eval_acc is not a score of this evaluation; it has eval_accuracy\.$"
     ):
         BestModel(settings("acc")).update({"epoch": 1, "eval_accuracy": 0.5}, 1)
+
+
+def test_a_checkpoints_best_by_another_metric_or_direction_is_not_continued():
+    best = BestModel(settings("loss"))
+    best.update({"eval_loss": 0.35}, 10)
+    assert BestModel(settings("loss"), best.state_dict()).value == 0.35
+    for other in (settings("accuracy"), settings("loss", greater_is_better="true")):
+        fresh = BestModel(other, best.state_dict())
+        assert fresh.restarted and fresh.value is None and fresh.step is None
