@@ -3,6 +3,7 @@
     amp-recipes ls
     amp-recipes cp bert_glue ./my_task.py          # --force to overwrite
     amp-recipes cp minimal/bert_glue ./my_loop.py  # the minimal tier: AMP by hand, one device
+    amp-recipes doctor --recipe bert_glue -- --task_name mrpc ...  # which precision, from your data
 
 Two tiers: the full recipes (accelerate: one GPU to many nodes, checkpoints, telemetry) and the
 minimal tier (the textbook loop in plain PyTorch, every autocast and GradScaler call written out).
@@ -46,6 +47,14 @@ def describe(path: Path) -> tuple[str, str]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["doctor"]:  # its own flags, then the recipe's after `--` (amp_recipes.doctor)
+        from .doctor import main as doctor
+        from .errors import one_sentence_errors
+
+        with one_sentence_errors():
+            doctor(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(prog="amp-recipes", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("ls", help="List the recipes, what each does and how to launch it.")
@@ -53,6 +62,9 @@ def main(argv=None) -> int:
     copy.add_argument("recipe", help="Recipe name, e.g. bert_glue (see `amp-recipes ls`).")
     copy.add_argument("destination", help="File (or folder) to copy it to.")
     copy.add_argument("--force", action="store_true", help="Overwrite an existing file.")
+    commands.add_parser(
+        "doctor", help="Which precision: fp16 risks, speed and memory, read from your model and data."
+    )
     args = parser.parse_args(argv)
 
     available = recipes()

@@ -8,9 +8,13 @@ synchronisation and breaks the asynchronous pipeline mixed precision relies on.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
+import re
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,6 +25,38 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
+
+
+def current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def start_memory_window(device) -> int:
+    """Restart the peak-memory reading before a measurement; returns the baseline a CPU's figures
+    subtract (what the process held before: interpreter, libraries). On a GPU the allocator's own
+    peak restarts, after the cached blocks of an earlier measurement are released."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return 0
+    with contextlib.suppress(OSError, AttributeError):  # glibc: freed heap pages back to the system
+        ctypes.CDLL(None).malloc_trim(0)
+    with contextlib.suppress(OSError):  # Linux: "5" resets the process's peak resident set (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
+    return current_rss_bytes()
+
+
+def peak_memory_since_window(device) -> int:
+    """The CUDA allocator's peak, or on a CPU the peak resident set (VmHWM where Linux has it)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    with contextlib.suppress(OSError, AttributeError):
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+    return peak_memory_bytes(device)
 
 
 class ThroughputMeter:

@@ -24,11 +24,8 @@ the hardware/software record), results.md and results.png.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -163,46 +160,6 @@ def parse_args(argv=None):
 
 
 # =============================================================================== worker
-def current_rss_bytes() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def start_memory_window(device) -> int:
-    """Restart the peak-memory reading before a trial; returns the baseline a CPU's figures subtract
-    (what the process held before the trial: interpreter, libraries). On a GPU the allocator's own
-    peak restarts, after the cached blocks of an earlier trial are released."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        return 0
-    with contextlib.suppress(OSError, AttributeError):  # glibc: freed heap pages back to the system
-        ctypes.CDLL(None).malloc_trim(0)
-    with contextlib.suppress(OSError):  # Linux: "5" resets the process's peak resident set (VmHWM)
-        Path("/proc/self/clear_refs").write_text("5")
-    return current_rss_bytes()
-
-
-def peak_memory_since_window(device) -> int:
-    """The CUDA allocator's peak, or on a CPU the peak resident set (VmHWM where Linux has it)."""
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    with contextlib.suppress(OSError, AttributeError):
-        status = Path("/proc/self/status").read_text()
-        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
-    from amp_recipes.meters import peak_memory_bytes
-
-    return peak_memory_bytes(device)
-
-
 def build_model(config: dict):
     import torch
     import transformers
@@ -313,6 +270,7 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
     from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
     from amp_recipes.memory import enable_gradient_checkpointing, gradient_checkpointing_on
+    from amp_recipes.meters import peak_memory_since_window, start_memory_window
     from amp_recipes.optim import make_optimizer
     from amp_recipes.precision import describe_precision, fp8_layer_report, fp8_recipe_kwargs
 

@@ -1,0 +1,384 @@
+"""The precision doctor: which precision to train in, read from a few minutes on your own model
+and data, before the fine-tune.
+
+    amp-recipes doctor --recipe bert_glue -- --task_name mrpc --model_name_or_path bert-base-uncased
+
+The recipe's own code loads your data and model (its flags go after `--`, as you would pass them
+to the recipe); the doctor then
+
+- trains `--probe_steps` fp32 steps with a forward hook on every leaf module and a gradient hook
+  on its output: each module's largest |activation| against fp16's largest value (65504), and
+  each module's activation gradients as a histogram of their binary exponents, from which follows
+  the share fp16 would round to zero at any loss scale (below 2**-25, half of fp16's smallest
+  subnormal 2**-24), and the loss scale the GradScaler would settle at: the largest power of two
+  that keeps the largest scaled gradient (activations' and parameters') under 65504;
+- times a few training steps and reads the peak memory in fp32 and in each reduced precision the
+  device runs (bf16 where it has it, native or emulated; fp16 on a CUDA GPU), with torch's
+  autocast as accelerate's prepare() applies it;
+- writes doctor.json and doctor.md (`--report_dir`): the figures and a recommendation per
+  precision, each with its reason.
+
+What it does not do yet (#54): the largest batch that fits, fp8's FLOP share, W&B, the GPU check
+step, and recipes other than bert_glue and bert_ner.
+
+The probe runs in fp32: an fp16 run's activations differ from fp32's by rounding, and the ops that
+autocast keeps in fp32 (softmax, layer norm, the loss) never overflow at 65504, so the overflow
+and underflow figures are an upper bound on what fp16 would meet, from the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+from .records import write_json_atomic, write_text_atomic
+
+FP16_MAX = 65504.0
+ZERO_EXPONENT = -25  # |x| < 2**-25 rounds to 0 in fp16 (2**-24 is its smallest subnormal)
+OFFSET, BINS = 160, 320  # frexp exponents of float32 values lie in [-148, 129]
+RECIPES = ("bert_glue", "bert_ner")  # the recipes whose data and model the doctor loads so far
+
+
+# ----------------------------------------------------------------------------- the fp32 probe
+class GradientProbe:
+    """Forward hooks on every leaf module (dropout aside) record the largest |output| and the step
+    it came at; a hook on that output records its gradient's largest magnitude and the histogram
+    of its nonzero elements' binary exponents. After each backward, `end_step` adds the largest
+    parameter gradient (the weights' fp16 copies get gradients of that size under autocast)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.step = model, 0
+        self.activation_max: dict[str, tuple[float, int]] = {}  # module -> (max |activation|, step)
+        self.gradient_max: dict[str, float] = {}
+        self.exponents: dict[str, torch.Tensor] = {}  # module -> counts of frexp exponents + OFFSET
+        self.step_gradient_max: list[float] = []  # per step: the largest gradient anywhere
+        self._this_step = 0.0
+        self._handles = [
+            module.register_forward_hook(self._forward(name))
+            for name, module in model.named_modules()
+            if name and not any(True for _ in module.children()) and not isinstance(module, torch.nn.Dropout)
+        ]
+
+    def _forward(self, name):
+        def hook(module, inputs, output):
+            if not (isinstance(output, torch.Tensor) and output.is_floating_point()):
+                return
+            peak = output.detach().abs().max().item()
+            if peak > self.activation_max.get(name, (-1.0, 0))[0]:
+                self.activation_max[name] = (peak, self.step + 1)
+            if output.requires_grad:
+                output.register_hook(self._backward(name))
+
+        return hook
+
+    def _backward(self, name):
+        def hook(grad):
+            grad = grad.detach().float()
+            peak = grad.abs().max().item()
+            self.gradient_max[name] = max(self.gradient_max.get(name, 0.0), peak)
+            self._this_step = max(self._this_step, peak)
+            exponents = torch.frexp(grad[grad != 0]).exponent.long() + OFFSET
+            counts = torch.bincount(exponents, minlength=BINS).cpu()
+            self.exponents[name] = self.exponents.get(name, 0) + counts
+
+        return hook
+
+    def end_step(self) -> None:
+        """After the backward: the largest parameter gradient joins the step's largest gradient."""
+        grads = [p.grad.detach().abs().max() for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            self._this_step = max(self._this_step, torch.stack(grads).max().item())
+        self.step_gradient_max.append(self._this_step)
+        self._this_step, self.step = 0.0, self.step + 1
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def zero_share(counts: torch.Tensor, scale: float) -> float:
+    """The share of nonzero gradients that fp16 rounds to zero once multiplied by `scale` (a power
+    of two, as the GradScaler's are; another is rounded down to one). With |g| = m * 2**e, m in
+    [0.5, 1): |g| * 2**s < 2**-25 exactly when e <= -25 - s."""
+    total = int(counts.sum())
+    if not total:
+        return 0.0
+    last = ZERO_EXPONENT - math.floor(math.log2(scale)) + OFFSET  # the largest exponent that underflows
+    return int(counts[: max(0, min(BINS, last + 1))].sum()) / total
+
+
+def settled_scale(largest_gradient: float) -> float:
+    """The largest power of two that keeps `largest_gradient` times it under 65504."""
+    if largest_gradient <= 0 or not math.isfinite(largest_gradient):
+        return math.nan
+    return 2.0 ** (math.ceil(math.log2(FP16_MAX / largest_gradient)) - 1)
+
+
+def fp16_risk(probe: GradientProbe, init_scale: float, growth_interval: int, top: int = 5) -> dict:
+    """What fp16 would meet, from the fp32 probe: the modules whose activations overflow, the
+    largest gradient and the loss scale it settles at, the skipped steps that costs, and the share
+    of each module's activation gradients rounded to zero at the initial and the settled scale."""
+    overflow = sorted(
+        ((name, peak, step) for name, (peak, step) in probe.activation_max.items() if peak >= FP16_MAX),
+        key=lambda item: -item[1],
+    )
+    largest = max(probe.step_gradient_max, default=0.0)
+    settled = settled_scale(largest)
+    # Each overflow halves the scale (backoff 0.5), so a scale above the settled one costs one
+    # skipped step per halving; then at most one step in growth_interval + 1 is skipped, when the
+    # scaler tries the doubled scale.
+    initial_skips = max(0, math.ceil(math.log2(init_scale / settled))) if math.isfinite(settled) else None
+
+    def shares(scale):
+        ranked = sorted(((n, zero_share(c, scale)) for n, c in probe.exponents.items()), key=lambda x: -x[1])
+        return dict(ranked[:top])
+
+    nearest = sorted(probe.activation_max.items(), key=lambda item: -item[1][0])[:top]
+    return {
+        "overflowing_modules": [{"module": n, "max_abs_activation": p, "step": s} for n, p, s in overflow],
+        "largest_activation_ratio": {name: peak / FP16_MAX for name, (peak, _) in nearest},
+        "largest_gradient": largest,
+        "initial_loss_scale": init_scale,
+        "settled_loss_scale": settled,
+        "initial_skipped_steps": initial_skips,
+        "skipped_step_rate_after": 1 / (growth_interval + 1),
+        "zero_share_at_initial_scale": shares(init_scale),
+        "zero_share_at_settled_scale": shares(settled) if math.isfinite(settled) else {},
+    }
+
+
+# ----------------------------------------------------------------------------- speed and memory
+def precisions_to_time(device: torch.device) -> dict[str, torch.dtype | None]:
+    """fp32, and the reduced precisions autocast runs on this device: bf16 (native or emulated),
+    fp16 on a CUDA GPU (accelerate runs fp16 as fp32 on a CPU)."""
+    candidates = {"fp32": None, "bf16": torch.bfloat16}
+    if device.type == "cuda":
+        candidates["fp16"] = torch.float16
+    return candidates
+
+
+def time_steps(model, batches, device, dtype, optimizer_factory, steps: int, warmup: int = 2) -> dict:
+    """Seconds per training step and the step's peak memory (the weights, their gradients, the
+    optimizer's states and the activations: on a GPU the allocator's peak, on a CPU the peak
+    resident set above what the process held before), autocast to `dtype` (None: fp32), fp16
+    through a GradScaler, on a copy of the model (the doctor's own model stays as it was)."""
+    from .meters import peak_memory_since_window, start_memory_window
+
+    baseline = start_memory_window(device)
+    model = copy.deepcopy(model).to(device).train()
+    optimizer = optimizer_factory(model)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    started = None
+    for i in range(warmup + steps):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+        batch = {k: v.to(device) for k, v in batches[i % len(batches)].items()}
+        autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+        with autocast:
+            loss = model(**batch).loss
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        optimizer.zero_grad()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - started) / steps
+    return {"step_time_s": seconds, "peak_memory_bytes": peak_memory_since_window(device) - baseline}
+
+
+# ----------------------------------------------------------------------------- the verdict
+def recommend(risk: dict, speed: dict, bf16_native: bool, device: torch.device, steps: int) -> list[dict]:
+    """One line per precision: advised or not, and why, in one sentence."""
+    advice = []
+    fp32 = speed.get("fp32")
+    bf16 = speed.get("bf16")
+    if bf16 and fp32:
+        ratio = fp32["step_time_s"] / bf16["step_time_s"]
+        memory = bf16["peak_memory_bytes"] / fp32["peak_memory_bytes"]
+        native = "native" if bf16_native else "emulated"
+        advised = ratio >= 1.0
+        reason = (
+            f"{native} here, {ratio:.2f}x fp32's speed and {memory:.2f}x its peak memory, no overflow risk "
+            "(fp32's exponent range)"
+        )
+        advice.append({"precision": "bf16", "advised": advised, "reason": f"bf16: {reason}."})
+    overflow = risk["overflowing_modules"]
+    if overflow:
+        worst = overflow[0]
+        reason = (
+            f"fp16 not advised: {worst['module']} reaches {worst['max_abs_activation']:.3g} at step "
+            f"{worst['step']}, beyond fp16's 65504"
+        )
+        advice.append({"precision": "fp16", "advised": False, "reason": reason + "."})
+    else:
+        settled = risk["settled_loss_scale"]
+        lost = max(risk["zero_share_at_settled_scale"].values(), default=0.0)
+        where = "on your GPU" if device.type != "cuda" else "here"
+        reason = (
+            f"fp16: no activation overflow in {steps} fp32 steps; the loss scale settles near "
+            f"2**{int(math.log2(settled))} after {risk['initial_skipped_steps']} skipped steps"
+            if math.isfinite(settled)
+            else f"fp16: no activation overflow in {steps} fp32 steps"
+        )
+        if lost > 0.01:
+            reason += f", though {lost:.1%} of one module's gradients round to zero even then"
+        advice.append({"precision": "fp16", "advised": lost <= 0.01, "reason": f"{reason} ({where})."})
+    return advice
+
+
+def markdown(report: dict) -> str:
+    """doctor.md: the recommendation first, then the figures behind it."""
+    risk = report["fp16_risk"]
+    lines = [f"# Precision doctor: {report['recipe']} on {report['device']}", "", "## Recommendation", ""]
+    lines += [f"- {'yes' if a['advised'] else 'no'}: {a['reason']}" for a in report["recommendation"]]
+    lines += [
+        "",
+        "## Speed and memory at your batch",
+        "",
+        "| precision | s/step | peak memory (MiB) |",
+        "|---|---|---|",
+    ]
+    for name, figures in report["speed"].items():
+        lines.append(
+            f"| {name} | {figures['step_time_s']:.4f} | {figures['peak_memory_bytes'] / 2**20:.0f} |"
+        )
+    if report["not_timed_for_budget"]:
+        lines.append(f"\nNot timed (--budget_s ran out): {', '.join(report['not_timed_for_budget'])}.")
+    lines += ["", f"## fp16 risk, from {report['probe_steps']} fp32 steps", ""]
+    nearest = next(iter(risk["largest_activation_ratio"].items()), None)
+    if nearest:
+        lines.append(f"- largest activation: {nearest[0]}, {nearest[1]:.3g} of fp16's 65504")
+    lines.append(
+        f"- largest gradient: {risk['largest_gradient']:.3g}; settled loss scale: {risk['settled_loss_scale']:g}"
+    )
+    for entry in risk["overflowing_modules"]:
+        lines.append(
+            f"- overflows: {entry['module']} ({entry['max_abs_activation']:.3g} at step {entry['step']})"
+        )
+    for title, key in (
+        ("initial", "zero_share_at_initial_scale"),
+        ("settled", "zero_share_at_settled_scale"),
+    ):
+        shares = ", ".join(f"{name} {share:.2%}" for name, share in risk[key].items())
+        lines.append(f"- gradients rounded to zero at the {title} scale: {shares or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- the command
+def load_recipe(name: str):
+    """The recipe shipped with the package (the one `amp-recipes cp` copies), as a module."""
+    from .cli import recipes
+
+    if name not in RECIPES:
+        raise InputError(f"--recipe {name}: the doctor reads {', '.join(RECIPES)} so far.")
+    spec = importlib.util.spec_from_file_location(f"amp_recipes_doctor_{name}", recipes()[name])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_and_batches(recipe, name: str, args, steps: int):
+    """The recipe's own model and its first `steps` training batches, as its code loads them."""
+    from accelerate import Accelerator
+    from transformers import AutoConfig, AutoTokenizer
+
+    from . import ner
+
+    accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
+    config = AutoConfig.from_pretrained(args.model_name_or_path)
+    extra = ner.tokenizer_kwargs(config) if name == "bert_ner" else {}
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **extra)
+    task, train_dataloader, *_ = recipe.load_data(args, tokenizer, accelerator)
+    model = recipe.load_model(args, config, task)
+    batches = []
+    for batch in train_dataloader:
+        batches.append(dict(batch))
+        if len(batches) == steps:
+            break
+    return model, batches, accelerator.device
+
+
+def diagnose(
+    recipe, name: str, recipe_argv: list, probe_steps: int = 8, timed_steps: int = 5, budget_s: float = 300
+) -> dict:
+    """The report: the fp32 probe's fp16 risk, the timed precisions (those the budget leaves time
+    for, fp32 first), the recommendation."""
+    deadline = time.monotonic() + budget_s
+    from .hardware import cpu_has_native_bf16, device_facts
+    from .optim import make_optimizer
+
+    args = recipe.parse_args(recipe_argv)
+    torch.manual_seed(args.seed)
+    model, batches, device = model_and_batches(recipe, name, args, probe_steps)
+    model = model.to(device).train()
+    probe = GradientProbe(model)
+    optimizer = make_optimizer(model, args, device)
+    for batch in batches:
+        model(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
+        probe.end_step()
+        optimizer.step()
+        optimizer.zero_grad()
+    probe.remove()
+    model.cpu()  # each timed precision trains its own copy on the device
+    risk = fp16_risk(probe, args.fp16_init_scale, args.fp16_growth_interval)
+    speed, not_timed = {}, []
+    for precision, dtype in precisions_to_time(device).items():
+        if time.monotonic() > deadline:
+            not_timed.append(precision)  # said in the report: not measured, --budget_s ran out
+            continue
+        optimizer_factory = lambda m: make_optimizer(m, args, device)  # noqa: E731
+        speed[precision] = time_steps(model, batches, device, dtype, optimizer_factory, timed_steps)
+    facts = device_facts(device)
+    bf16_native = facts["bf16_supported"] if device.type == "cuda" else cpu_has_native_bf16()
+    return {
+        "recipe": name,
+        "device": facts.get("device_name", device.type),
+        "model_name_or_path": args.model_name_or_path,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "probe_steps": len(batches),
+        "fp16_risk": risk,
+        "speed": speed,
+        "not_timed_for_budget": not_timed,
+        "bf16_native": bf16_native,
+        "recommendation": recommend(risk, speed, bf16_native, device, len(batches)),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="amp-recipes doctor", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--recipe", choices=RECIPES, required=True, help="The recipe whose data and model to read."
+    )
+    parser.add_argument("--probe_steps", type=int, default=8, help="fp32 steps watched for fp16's risks.")
+    parser.add_argument("--timed_steps", type=int, default=5, help="Training steps timed per precision.")
+    parser.add_argument("--report_dir", default="doctor", help="Where doctor.json and doctor.md go.")
+    parser.add_argument(
+        "--budget_s",
+        type=float,
+        default=300,
+        help="Seconds for the whole diagnosis; precisions left untimed say so.",
+    )
+    parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="-- then the recipe's own flags.")
+    args = parser.parse_args(argv)
+    recipe_argv = args.recipe_args[1:] if args.recipe_args[:1] == ["--"] else args.recipe_args
+    report = diagnose(
+        load_recipe(args.recipe), args.recipe, recipe_argv, args.probe_steps, args.timed_steps, args.budget_s
+    )
+    write_json_atomic(Path(args.report_dir) / "doctor.json", report)
+    write_text_atomic(Path(args.report_dir) / "doctor.md", markdown(report))
+    print(markdown(report))
+    return report
