@@ -21,9 +21,12 @@ to the recipe); the doctor then
 What it does not do yet (#54): the largest batch that fits, fp8's FLOP share, W&B, the GPU check
 step, and recipes other than bert_glue and bert_ner.
 
-The probe runs in fp32: an fp16 run's activations differ from fp32's by rounding, and the ops that
-autocast keeps in fp32 (softmax, layer norm, the loss) never overflow at 65504, so the overflow
-and underflow figures are an upper bound on what fp16 would meet, from the same batches.
+The probe runs in fp32 and watches modules: an estimate of what fp16 meets on the same batches,
+not a bound. fp16's rounding moves the values a little; operations that are not modules
+(attention's matmuls inside scaled_dot_product_attention, functional calls) are not watched; the
+gradients of the modules autocast keeps in fp32 (layer norm, embeddings) count towards the
+largest gradient though they cannot overflow, which makes the settled scale a conservative one.
+A value overflows fp16 from 65520 on (65504 is its largest, and what lies between rounds to it).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import torch
 from .errors import InputError
 from .records import write_json_atomic, write_text_atomic
 
-FP16_MAX = 65504.0
+FP16_MAX = 65504.0  # fp16's largest value
+OVERFLOW = 65520.0  # from here a value rounds to inf in fp16
 ZERO_EXPONENT = -25  # |x| < 2**-25 rounds to 0 in fp16 (2**-24 is its smallest subnormal)
 OFFSET, BINS = 160, 320  # frexp exponents of float32 values lie in [-148, 129]
 RECIPES = ("bert_glue", "bert_ner")  # the recipes whose data and model the doctor loads so far
@@ -56,7 +60,8 @@ class GradientProbe:
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.step = model, 0
-        self.activation_max: dict[str, tuple[float, int]] = {}  # module -> (max |activation|, step)
+        # module -> (max |activation|, its step), in the order the modules first ran
+        self.activation_max: dict[str, tuple[float, int]] = {}
         self.gradient_max: dict[str, float] = {}
         self.exponents: dict[str, torch.Tensor] = {}  # module -> counts of frexp exponents + OFFSET
         self.step_gradient_max: list[float] = []  # per step: the largest gradient anywhere
@@ -64,7 +69,7 @@ class GradientProbe:
         self._handles = [
             module.register_forward_hook(self._forward(name))
             for name, module in model.named_modules()
-            if name and not any(True for _ in module.children()) and not isinstance(module, torch.nn.Dropout)
+            if name and not any(True for _ in module.children())  # dropout too: it scales by 1 / (1 - p)
         ]
 
     def _forward(self, name):
@@ -106,8 +111,9 @@ class GradientProbe:
 
 def zero_share(counts: torch.Tensor, scale: float) -> float:
     """The share of nonzero gradients that fp16 rounds to zero once multiplied by `scale` (a power
-    of two, as the GradScaler's are; another is rounded down to one). With |g| = m * 2**e, m in
-    [0.5, 1): |g| * 2**s < 2**-25 exactly when e <= -25 - s."""
+    of two, as the GradScaler's are with its default initial scale; another is rounded down to
+    one, which counts more). With |g| = m * 2**e, m in [0.5, 1): |g| * 2**s < 2**-25 exactly when
+    e <= -25 - s (a value of exactly 2**-25, which rounds to zero too, is not counted)."""
     total = int(counts.sum())
     if not total:
         return 0.0
@@ -115,27 +121,38 @@ def zero_share(counts: torch.Tensor, scale: float) -> float:
     return int(counts[: max(0, min(BINS, last + 1))].sum()) / total
 
 
-def settled_scale(largest_gradient: float) -> float:
-    """The largest power of two that keeps `largest_gradient` times it under 65504."""
+def settled_scale(largest_gradient: float, init_scale: float, growth_factor: float = 2.0) -> float:
+    """The largest scale the GradScaler can hold (its initial scale times a power of its growth
+    factor, the back-off being its inverse by default) that keeps `largest_gradient` times it
+    below fp16's overflow."""
     if largest_gradient <= 0 or not math.isfinite(largest_gradient):
         return math.nan
-    return 2.0 ** (math.ceil(math.log2(FP16_MAX / largest_gradient)) - 1)
+    room = OVERFLOW / (largest_gradient * init_scale)  # how far the initial scale may grow (or must shrink)
+    return init_scale * growth_factor ** (math.ceil(math.log(room, growth_factor)) - 1)
 
 
-def fp16_risk(probe: GradientProbe, init_scale: float, growth_interval: int, top: int = 5) -> dict:
+def initial_skips(largest_gradient: float, init_scale: float, backoff_factor: float = 0.5) -> int | None:
+    """Steps skipped at the start: each overflow multiplies the scale by the back-off factor until
+    the largest gradient times it stays below fp16's overflow."""
+    if largest_gradient <= 0 or not math.isfinite(largest_gradient):
+        return None
+    room = OVERFLOW / (largest_gradient * init_scale)
+    return 0 if room > 1 else math.floor(math.log(room) / math.log(backoff_factor)) + 1
+
+
+def fp16_risk(probe: GradientProbe, scaler: dict, top: int = 5) -> dict:
     """What fp16 would meet, from the fp32 probe: the modules whose activations overflow, the
     largest gradient and the loss scale it settles at, the skipped steps that costs, and the share
-    of each module's activation gradients rounded to zero at the initial and the settled scale."""
-    overflow = sorted(
-        ((name, peak, step) for name, (peak, step) in probe.activation_max.items() if peak >= FP16_MAX),
-        key=lambda item: -item[1],
-    )
+    of each module's activation gradients rounded to zero at the initial and the settled scale.
+    `scaler`: the GradScaler's init_scale, growth_factor, backoff_factor and growth_interval."""
+    init_scale = scaler["init_scale"]
+    # In forward order (the order the modules first ran): the first is where the overflow starts,
+    # the others (the dropout after it, ...) carry it on.
+    overflow = [(name, peak, step) for name, (peak, step) in probe.activation_max.items() if peak >= OVERFLOW]
     largest = max(probe.step_gradient_max, default=0.0)
-    settled = settled_scale(largest)
-    # Each overflow halves the scale (backoff 0.5), so a scale above the settled one costs one
-    # skipped step per halving; then at most one step in growth_interval + 1 is skipped, when the
-    # scaler tries the doubled scale.
-    initial_skips = max(0, math.ceil(math.log2(init_scale / settled))) if math.isfinite(settled) else None
+    settled = settled_scale(largest, init_scale, scaler["growth_factor"])
+    # After the initial back-off, at most one step in growth_interval + 1 is skipped: the scaler's
+    # try of a grown scale.
 
     def shares(scale):
         ranked = sorted(((n, zero_share(c, scale)) for n, c in probe.exponents.items()), key=lambda x: -x[1])
@@ -148,8 +165,8 @@ def fp16_risk(probe: GradientProbe, init_scale: float, growth_interval: int, top
         "largest_gradient": largest,
         "initial_loss_scale": init_scale,
         "settled_loss_scale": settled,
-        "initial_skipped_steps": initial_skips,
-        "skipped_step_rate_after": 1 / (growth_interval + 1),
+        "initial_skipped_steps": initial_skips(largest, init_scale, scaler["backoff_factor"]),
+        "skipped_step_rate_after": 1 / (scaler["growth_interval"] + 1),
         "zero_share_at_initial_scale": shares(init_scale),
         "zero_share_at_settled_scale": shares(settled) if math.isfinite(settled) else {},
     }
@@ -165,15 +182,20 @@ def precisions_to_time(device: torch.device) -> dict[str, torch.dtype | None]:
     return candidates
 
 
-def time_steps(model, batches, device, dtype, optimizer_factory, steps: int, warmup: int = 2) -> dict:
+def time_steps(
+    model, batches, device, dtype, optimizer_factory, steps: int, warmup: int = 2, checkpointing=False
+) -> dict:
     """Seconds per training step and the step's peak memory (the weights, their gradients, the
     optimizer's states and the activations: on a GPU the allocator's peak, on a CPU the peak
     resident set above what the process held before), autocast to `dtype` (None: fp32), fp16
     through a GradScaler, on a copy of the model (the doctor's own model stays as it was)."""
+    from .memory import enable_gradient_checkpointing
     from .meters import peak_memory_since_window, start_memory_window
 
     baseline = start_memory_window(device)
     model = copy.deepcopy(model).to(device).train()
+    if checkpointing:  # --gradient_checkpointing, as the recipe would run it
+        enable_gradient_checkpointing(model)
     optimizer = optimizer_factory(model)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     started = None
@@ -226,7 +248,12 @@ def recommend(risk: dict, speed: dict, bf16_native: bool, device: torch.device, 
         advice.append({"precision": "fp16", "advised": False, "reason": reason + "."})
     else:
         settled = risk["settled_loss_scale"]
-        lost = max(risk["zero_share_at_settled_scale"].values(), default=0.0)
+        # The run starts at the initial scale and grows once per growth_interval steps: the worse of both.
+        shares = [
+            *risk["zero_share_at_initial_scale"].values(),
+            *risk["zero_share_at_settled_scale"].values(),
+        ]
+        lost = max(shares, default=0.0)
         where = "on your GPU" if device.type != "cuda" else "here"
         reason = (
             f"fp16: no activation overflow in {steps} fp32 steps; the loss scale settles near "
@@ -235,7 +262,7 @@ def recommend(risk: dict, speed: dict, bf16_native: bool, device: torch.device, 
             else f"fp16: no activation overflow in {steps} fp32 steps"
         )
         if lost > 0.01:
-            reason += f", though {lost:.1%} of one module's gradients round to zero even then"
+            reason += f", though {lost:.1%} of one module's gradients round to zero"
         advice.append({"precision": "fp16", "advised": lost <= 0.01, "reason": f"{reason} ({where})."})
     return advice
 
@@ -328,20 +355,38 @@ def diagnose(
     probe = GradientProbe(model)
     optimizer = make_optimizer(model, args, device)
     for batch in batches:
-        model(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
+        loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+        # As accelerate's backward() under --gradient_accumulation_steps: the loss over the window's
+        # micro-batches, so each one's gradients are that much smaller.
+        (loss / args.gradient_accumulation_steps).backward()
         probe.end_step()
         optimizer.step()
         optimizer.zero_grad()
     probe.remove()
+    del optimizer  # its states must not count in the timed precisions' peak memory
     model.cpu()  # each timed precision trains its own copy on the device
-    risk = fp16_risk(probe, args.fp16_init_scale, args.fp16_growth_interval)
+    scaler = {
+        "init_scale": args.fp16_init_scale,
+        "growth_factor": args.fp16_growth_factor,
+        "backoff_factor": args.fp16_backoff_factor,
+        "growth_interval": args.fp16_growth_interval,
+    }
+    risk = fp16_risk(probe, scaler)
     speed, not_timed = {}, []
     for precision, dtype in precisions_to_time(device).items():
         if time.monotonic() > deadline:
             not_timed.append(precision)  # said in the report: not measured, --budget_s ran out
             continue
         optimizer_factory = lambda m: make_optimizer(m, args, device)  # noqa: E731
-        speed[precision] = time_steps(model, batches, device, dtype, optimizer_factory, timed_steps)
+        speed[precision] = time_steps(
+            model,
+            batches,
+            device,
+            dtype,
+            optimizer_factory,
+            timed_steps,
+            checkpointing=args.gradient_checkpointing,
+        )
     facts = device_facts(device)
     bf16_native = facts["bf16_supported"] if device.type == "cuda" else cpu_has_native_bf16()
     return {

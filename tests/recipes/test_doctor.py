@@ -1,5 +1,6 @@
 """`amp-recipes doctor` on the recipes' own data and model, its predictions checked against real
-runs of the recipe: accelerate's real fp16 path through conftest's Fp16OnCpu."""
+runs of the recipe: accelerate's real fp16 path through conftest's Fp16OnCpu (CPU fp16 autocast,
+whose list of fp16 operations is not CUDA's)."""
 
 import json
 import sys
@@ -32,7 +33,8 @@ def test_a_module_beyond_fp16s_range_is_named_and_fp16_skips_its_steps_as_predic
     flags = glue_flags(max_train_samples=32, max_train_steps=4, output_dir=tmp_path / "run")
     report = doctor.diagnose(glue, "bert_glue", flags, probe_steps=4, timed_steps=1)
     overflow = report["fp16_risk"]["overflowing_modules"]
-    assert overflow[0]["module"] == SCALED and overflow[0]["max_abs_activation"] > 65504
+    assert overflow[0]["module"] == SCALED and overflow[0]["max_abs_activation"] > 65520  # where it starts
+    assert "bert.encoder.layer.1.output.dropout" in [entry["module"] for entry in overflow[1:]]  # carried on
     fp16 = next(advice for advice in report["recommendation"] if advice["precision"] == "fp16")
     assert not fp16["advised"] and f"fp16 not advised: {SCALED} reaches" in fp16["reason"]
     # As predicted: the recipe under accelerate's real fp16 path skips every step.
@@ -87,7 +89,8 @@ def test_the_command_writes_its_report(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "report" / "doctor.json").read_text())
-    assert set(report["speed"]) == {"fp32", "bf16"} and report["probe_steps"] == 3
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert set(report["speed"]) == set(doctor.precisions_to_time(device)) and report["probe_steps"] == 3
     assert all(
         figures["step_time_s"] > 0 and figures["peak_memory_bytes"] > 0
         for figures in report["speed"].values()

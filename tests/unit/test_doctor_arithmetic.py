@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from amp_recipes.doctor import FP16_MAX, GradientProbe, settled_scale, zero_share
+from amp_recipes.doctor import FP16_MAX, OVERFLOW, GradientProbe, initial_skips, settled_scale, zero_share
 
 
 @pytest.mark.parametrize("log2_scale", [0, 10, 16, 24])
@@ -28,12 +28,26 @@ def test_the_zero_share_is_what_casting_to_fp16_rounds_to_zero(log2_scale):
     assert zero_share(probe.exponents["0"], scale) == pytest.approx(independent, abs=1e-12)
 
 
-@pytest.mark.parametrize("largest", [3.0, 1e-3, FP16_MAX / 1024, 7e4])
-def test_the_settled_scale_is_the_largest_power_of_two_under_fp16s_maximum(largest):
-    scale = settled_scale(largest)
-    assert math.log2(scale).is_integer()
-    assert largest * scale < FP16_MAX <= largest * scale * 2
+@pytest.mark.parametrize("largest", [3.0, 1e-3, OVERFLOW / 2**10, 7e4])
+@pytest.mark.parametrize("init_scale", [2.0**16, 1000.0, 2.0**30])
+def test_the_settled_scale_is_the_largest_the_scaler_holds_below_fp16s_overflow(largest, init_scale):
+    """The scaler's scales are its initial one times powers of two (growth 2, back-off 0.5)."""
+    scale = settled_scale(largest, init_scale)
+    assert math.log2(scale / init_scale).is_integer()
+    assert largest * scale < OVERFLOW <= largest * scale * 2
+
+
+def test_initial_skips_count_the_halvings_down_to_the_first_scale_below_overflow():
+    """The GradScaler's own rule, step by step: skip and halve while the largest gradient times
+    the scale overflows fp16 (65504 itself stays finite; from 65520 on it is inf)."""
+    for largest, init_scale in [(64.0, 1000.0), (0.01, 2.0**30), (3.0, 2.0**16), (OVERFLOW / 2**20, 2.0**20)]:
+        scale, skipped = init_scale, 0
+        while torch.tensor(largest * scale, dtype=torch.float32).half().isinf():
+            scale, skipped = scale / 2, skipped + 1
+        assert initial_skips(largest, init_scale) == skipped, (largest, init_scale)
+    assert float(torch.tensor(65519.0).half()) == FP16_MAX and torch.tensor(OVERFLOW).half().isinf()
 
 
 def test_no_gradient_no_scale():
-    assert math.isnan(settled_scale(0.0)) and math.isnan(settled_scale(math.inf))
+    assert math.isnan(settled_scale(0.0, 2.0**16)) and math.isnan(settled_scale(math.inf, 2.0**16))
+    assert initial_skips(0.0, 2.0**16) is None
