@@ -3,7 +3,7 @@
     amp-recipes ls
     amp-recipes cp bert_glue ./my_task.py          # --force to overwrite
     amp-recipes cp minimal/bert_glue ./my_loop.py  # the minimal tier: AMP by hand, one device
-    amp-recipes doctor --recipe bert_glue -- --task_name mrpc ...  # which precision, from your data
+    amp-recipes doctor --recipe bert_glue -- --task_name mrpc ...  # which precision and batch, from your data
 
 Two tiers: the full recipes (accelerate: one GPU to many nodes, checkpoints, telemetry) and the
 minimal tier (the textbook loop in plain PyTorch, every autocast and GradScaler call written out).
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     copy.add_argument("destination", help="File (or folder) to copy it to.")
     copy.add_argument("--force", action="store_true", help="Overwrite an existing file.")
     commands.add_parser(
-        "doctor", help="Which precision: fp16 risks, speed and memory, read from your model and data."
+        "doctor",
+        help="Which precision and batch: fp16 risks, speed, memory and the largest batch, read from your model and data.",
     )
     args = parser.parse_args(argv)
 

@@ -1,10 +1,10 @@
-"""The precision doctor: which precision to train in, read from a few minutes on your own model
-and data, before the fine-tune.
+"""The precision doctor: which precision to train in, and which batch fits, read from a few
+minutes on your own model and data, before the fine-tune.
 
     amp-recipes doctor --recipe bert_glue -- --task_name mrpc --model_name_or_path bert-base-uncased
 
 The recipe's own code loads your data and model (its flags go after `--`, as you would pass them
-to the recipe); the doctor then
+to the recipe: bert_glue, bert_ner, bert_qa or bert_mlm); the doctor then
 
 - trains `--probe_steps` fp32 steps with a forward hook on every leaf module and a gradient hook
   on its output: each module's largest |activation| against fp16's largest value (65504), and
@@ -14,12 +14,20 @@ to the recipe); the doctor then
   that keeps the largest scaled gradient (activations' and parameters') under 65504;
 - times a few training steps and reads the peak memory in fp32 and in each reduced precision the
   device runs (bf16 where it has it, native or emulated; fp16 on a CUDA GPU), with torch's
-  autocast as accelerate's prepare() applies it;
+  autocast as accelerate's prepare() applies it, on the recipe's batches padded as a run in that
+  precision pads them (multiples of 8 for fp16/bf16);
+- finds the largest batch that fits the device's memory (or `--memory_budget_gb`) with every row
+  at --max_seq_length tokens, the longest a batch of the run can be: on a GPU by trying batches
+  under torch.cuda.set_per_process_memory_fraction, on a CPU by a line through two measured
+  batches (the peak grows by the same activations per row);
+- where the device has fp8, the share of the forward matmul FLOPs in the Linear layers accelerate
+  would run in fp8;
 - writes doctor.json and doctor.md (`--report_dir`): the figures and a recommendation per
-  precision, each with its reason.
+  precision, each with its reason; with the recipe's `--report_to wandb` (or tensorboard), the same
+  figures as a tracker run.
 
-What it does not do yet (#54): the largest batch that fits, fp8's FLOP share, W&B, the GPU check
-step, and recipes other than bert_glue and bert_ner.
+Peak memory is read as the recipe reports it: on a GPU the allocator's peak, on a CPU the
+process's peak resident set (less the doctor's own copy of the weights, which a run does not hold).
 
 The probe runs in fp32 and watches modules: an estimate of what fp16 meets on the same batches,
 not a bound. fp16's rounding moves the values a little; operations that are not modules
@@ -35,12 +43,14 @@ import argparse
 import contextlib
 import copy
 import importlib.util
+import itertools
 import math
 import time
 from pathlib import Path
 
 import torch
 
+from .batches import pad_multiple
 from .errors import InputError
 from .records import write_json_atomic, write_text_atomic
 
@@ -48,7 +58,9 @@ FP16_MAX = 65504.0  # fp16's largest value
 OVERFLOW = 65520.0  # from here a value rounds to inf in fp16
 ZERO_EXPONENT = -25  # |x| < 2**-25 rounds to 0 in fp16 (2**-24 is its smallest subnormal)
 OFFSET, BINS = 160, 320  # frexp exponents of float32 values lie in [-148, 129]
-RECIPES = ("bert_glue", "bert_ner")  # the recipes whose data and model the doctor loads so far
+RECIPES = ("bert_glue", "bert_ner", "bert_qa", "bert_mlm")
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # the doctor's names, accelerate's
+SEARCH_MAX = 8192  # the largest batch a GPU search tries
 
 
 # ----------------------------------------------------------------------------- the fp32 probe
@@ -172,6 +184,35 @@ def fp16_risk(probe: GradientProbe, scaler: dict, top: int = 5) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- the batches
+class RecipeRows:
+    """The recipe's first training batches, as rows: its own DataLoader picks them (its sampler,
+    seeded as the recipe seeds it, in its order), and a copy of its own collator pads them as a run
+    in each precision pads (amp_recipes.batches.pad_multiple: multiples of 8 for fp16 and bf16)."""
+
+    def __init__(self, dataloader, steps: int, max_length: int):
+        self.collator, self.max_length = dataloader.collate_fn, max_length
+        dataloader.collate_fn = list  # the loader's batches as they come, before the collator pads them
+        self.rows = list(itertools.islice(dataloader, steps))
+
+    def _collate(self, rows: list[dict], multiple: int | None) -> dict:
+        collator = copy.copy(self.collator)
+        collator.pad_to_multiple_of = multiple
+        return dict(collator(rows))
+
+    def batches(self, precision: str) -> list[dict]:
+        """The first batches as a run in `precision` collates them."""
+        return [self._collate(rows, pad_multiple(MIXED_PRECISION[precision])) for rows in self.rows]
+
+    def longest(self, size: int, precision: str) -> dict:
+        """A batch of `size` rows (the first batches' rows, repeated as needed), every one padded to
+        --max_seq_length (up to the precision's multiple): the longest a batch of the run can be,
+        since the recipes cut rows there. What a batch size must fit."""
+        rows = list(itertools.islice(itertools.cycle(itertools.chain(*self.rows)), size))
+        multiple = pad_multiple(MIXED_PRECISION[precision]) or 1
+        return self._collate(rows, -(-self.max_length // multiple) * multiple)
+
+
 # ----------------------------------------------------------------------------- speed and memory
 def precisions_to_time(device: torch.device) -> dict[str, torch.dtype | None]:
     """fp32, and the reduced precisions autocast runs on this device: bf16 (native or emulated),
@@ -185,14 +226,16 @@ def precisions_to_time(device: torch.device) -> dict[str, torch.dtype | None]:
 def time_steps(
     model, batches, device, dtype, optimizer_factory, steps: int, warmup: int = 2, checkpointing=False
 ) -> dict:
-    """Seconds per training step and the step's peak memory (the weights, their gradients, the
-    optimizer's states and the activations: on a GPU the allocator's peak, on a CPU the peak
-    resident set above what the process held before), autocast to `dtype` (None: fp32), fp16
-    through a GradScaler, on a copy of the model (the doctor's own model stays as it was)."""
+    """Seconds per training step and the peak memory as a recipe run reports it (the weights,
+    their gradients, the optimizer's states and the activations: on a GPU the allocator's peak; on
+    a CPU the process's peak resident set, less the weights of the doctor's own model, which a
+    run does not hold), autocast to `dtype` (None: fp32), fp16 through a GradScaler, on a copy of
+    the model (the doctor's own model stays as it was)."""
     from .memory import enable_gradient_checkpointing
     from .meters import peak_memory_since_window, start_memory_window
 
-    baseline = start_memory_window(device)
+    start_memory_window(device)
+    own_weights = sum(p.numel() * p.element_size() for p in model.parameters())
     model = copy.deepcopy(model).to(device).train()
     if checkpointing:  # --gradient_checkpointing, as the recipe would run it
         enable_gradient_checkpointing(model)
@@ -219,7 +262,98 @@ def time_steps(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - started) / steps
-    return {"step_time_s": seconds, "peak_memory_bytes": peak_memory_since_window(device) - baseline}
+    peak = peak_memory_since_window(device) - (own_weights if device.type == "cpu" else 0)
+    return {"step_time_s": seconds, "peak_memory_bytes": peak}
+
+
+class OutOfTime(Exception):
+    """--budget_s ran out during a batch-size search."""
+
+
+def memory_budget(device: torch.device, memory_budget_gb: float | None) -> int:
+    """--memory_budget_gb, else the GPU's memory, or on a CPU what a run could hold: the memory
+    free now and what this process holds (a recipe run would hold about as much)."""
+    if memory_budget_gb:
+        return int(memory_budget_gb * 2**30)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import psutil
+
+    return psutil.virtual_memory().available + psutil.Process().memory_info().rss
+
+
+def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, deadline: float) -> dict:
+    """The largest batch that fits `budget` bytes, `peak_at(size)` measuring one of that size.
+
+    On a GPU, searched: batch sizes are tried (doubling from 1, then bisection) under
+    torch.cuda.set_per_process_memory_fraction, which makes an allocation past the budget raise
+    OutOfMemoryError as a smaller GPU would. On a CPU an allocation past the memory does not fail,
+    the kernel kills the process: predicted instead, from a line through the peaks at the user's
+    batch size and twice it (the weights, gradients and optimizer states are the same at any batch
+    size; the activations grow with it, by the same bytes per row of the same length)."""
+    from .memory import is_out_of_memory, largest_fitting
+
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        trials = {}
+
+        def fits(size: int) -> bool:
+            if time.monotonic() > deadline:
+                raise OutOfTime
+            try:
+                peak_at(size)
+                trials[size] = True
+            except Exception as error:  # noqa: BLE001 - only an out-of-memory error means "does not fit"
+                if not is_out_of_memory(error):
+                    raise
+                trials[size] = False
+            return trials[size]
+
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+        try:
+            largest, failed = largest_fitting(fits, 1, SEARCH_MAX, granularity=8)
+            found = {"largest_batch": largest, "capped_at_search_max": failed is None}
+        except OutOfTime:  # what fit so far: a lower bound
+            largest = max((size for size, fit in trials.items() if fit), default=0)
+            found = {"largest_batch": largest, "search_stopped": "--budget_s ran out"}
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
+        return {"method": "searched", **found, "budget_bytes": budget, "trials": len(trials)}
+    small, large = peak_at(batch_size), peak_at(2 * batch_size)
+    per_row = (large - small) / batch_size
+    fixed = small - per_row * batch_size
+    found = {"method": "predicted", "budget_bytes": budget, "fixed_bytes": fixed, "bytes_per_row": per_row}
+    if per_row <= 0:  # the resident set did not grow: nothing to extrapolate from
+        return {**found, "largest_batch": None, "why": "the peak did not grow with the batch size"}
+    return {**found, "largest_batch": max(0, math.floor((budget - fixed) / per_row))}
+
+
+# ----------------------------------------------------------------------------- fp8
+def fp8_report(model, facts: dict, seq_len: int) -> dict:
+    """Where the device runs fp8 (an NVIDIA GPU of compute capability 8.9 or newer, with torchao):
+    the Linear layers accelerate would convert (its default filter: all but the first and the
+    last, sizes multiples of 16) and their share of a forward pass's matmul FLOPs at `seq_len`
+    tokens, as the recipes' fp8 layer report reads them after prepare()."""
+    from accelerate.utils.ao import filter_linear_layers, find_first_last_linear_layers
+
+    from .precision import FP8_BACKENDS, FP8_CAPABILITY, flop_share
+
+    capability = facts.get("compute_capability")
+    if facts["device_type"] != "cuda" or tuple(map(int, capability.split("."))) < FP8_CAPABILITY:
+        return {"fp8_available": False, "why": "fp8 needs an NVIDIA GPU of compute capability 8.9 or newer"}
+    if importlib.util.find_spec("torchao") is None:
+        return {"fp8_available": False, "why": f"torchao is not installed: `{FP8_BACKENDS['ao'][1]}`"}
+    first, last = find_first_last_linear_layers(model)
+    linear = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    fp8 = [name for name, module in linear if filter_linear_layers(module, name, [first, last])]
+    return {
+        "fp8_available": True,
+        "fp8_linear_layers": len(fp8),
+        "linear_layers": len(linear),
+        "fp8_flop_share": flop_share(model, fp8, seq_len),
+        "fp8_flop_share_seq_len": seq_len,
+    }
 
 
 # ----------------------------------------------------------------------------- the verdict
@@ -274,17 +408,29 @@ def markdown(report: dict) -> str:
     lines += [f"- {'yes' if a['advised'] else 'no'}: {a['reason']}" for a in report["recommendation"]]
     lines += [
         "",
-        "## Speed and memory at your batch",
+        f"## Speed and memory at your batch ({report['per_device_train_batch_size']})",
         "",
-        "| precision | s/step | peak memory (MiB) |",
-        "|---|---|---|",
+        "| precision | s/step | peak memory (MiB) | largest batch | how |",
+        "|---|---|---|---|---|",
     ]
     for name, figures in report["speed"].items():
+        largest = report["largest_batch"].get(name, {})
+        fit = largest.get("largest_batch")
+        how = largest.get("method", "not measured yet (--budget_s ran out)")
+        if largest.get("capped_at_search_max"):
+            fit = f"{fit}+"  # the search's cap fit too
         lines.append(
-            f"| {name} | {figures['step_time_s']:.4f} | {figures['peak_memory_bytes'] / 2**20:.0f} |"
+            f"| {name} | {figures['step_time_s']:.4f} | {figures['peak_memory_bytes'] / 2**20:.0f} "
+            f"| {'—' if fit is None else fit} | {how} |"
         )
     if report["not_timed_for_budget"]:
         lines.append(f"\nNot timed (--budget_s ran out): {', '.join(report['not_timed_for_budget'])}.")
+    budget = next(iter(report["largest_batch"].values()), {}).get("budget_bytes")
+    if budget:
+        lines.append(
+            f"\nLargest batch: every row at --max_seq_length ({report['max_seq_length']} tokens), within "
+            f"{budget / 2**30:.1f} GiB."
+        )
     lines += ["", f"## fp16 risk, from {report['probe_steps']} fp32 steps", ""]
     nearest = next(iter(risk["largest_activation_ratio"].items()), None)
     if nearest:
@@ -302,7 +448,60 @@ def markdown(report: dict) -> str:
     ):
         shares = ", ".join(f"{name} {share:.2%}" for name, share in risk[key].items())
         lines.append(f"- gradients rounded to zero at the {title} scale: {shares or 'none'}")
+    fp8 = report["fp8"]
+    lines += ["", "## fp8", ""]
+    if fp8["fp8_available"]:
+        share = fp8["fp8_flop_share"]
+        flops = "FLOP share not computed" if share is None else f"{share:.1%} of the forward matmul FLOPs"
+        lines.append(
+            f"- {fp8['fp8_linear_layers']} of {fp8['linear_layers']} Linear layers would run in fp8 (torchao), "
+            f"{flops} at {fp8['fp8_flop_share_seq_len']} tokens"
+        )
+    else:
+        lines.append(f"- not on this device: {fp8['why']}")
     return "\n".join(lines) + "\n"
+
+
+def tracker_figures(report: dict) -> dict:
+    """The report's figures, flat, for a tracker run's summary (W&B) or scalars (TensorBoard)."""
+    risk = report["fp16_risk"]
+    figures = {
+        "recipe": report["recipe"],
+        "per_device_train_batch_size": report["per_device_train_batch_size"],
+        "fp16_largest_gradient": risk["largest_gradient"],
+        "fp16_settled_loss_scale": risk["settled_loss_scale"],
+        "fp16_initial_skipped_steps": risk["initial_skipped_steps"],
+        "fp16_overflowing_modules": len(risk["overflowing_modules"]),
+    }
+    for name, speed in report["speed"].items():
+        figures[f"{name}_step_time_s"] = speed["step_time_s"]
+        figures[f"{name}_peak_memory_bytes"] = speed["peak_memory_bytes"]
+    for name, found in report["largest_batch"].items():
+        figures[f"{name}_largest_batch"] = found.get("largest_batch")
+    for advice in report["recommendation"]:
+        figures[f"{advice['precision']}_advised"] = int(advice["advised"])
+        figures[f"{advice['precision']}_advice"] = advice["reason"]
+    if report["fp8"]["fp8_available"]:
+        figures["fp8_flop_share"] = report["fp8"]["fp8_flop_share"]
+    return {key: value for key, value in figures.items() if value is not None}
+
+
+def log_to_trackers(accelerator, args, report: dict) -> None:
+    """With the recipe's --report_to (wandb, tensorboard), --project_name, --run_name, ...: the
+    report as a tracker run of its own (W&B job type "doctor" unless --wandb_job_type says
+    otherwise): its figures in the run's summary, the recommendation as a table."""
+    from . import records
+
+    if args.report_to == "none":
+        return
+    args = argparse.Namespace(**{**vars(args), "wandb_job_type": args.wandb_job_type or "doctor"})
+    records.init_trackers(accelerator, args, {"doctor": True, **vars(args)}, None)
+    records.write_final_figures(accelerator, tracker_figures(report), step=0)
+    rows = [[a["precision"], a["advised"], a["reason"]] for a in report["recommendation"]]
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            tracker.log_table("recommendation", columns=["precision", "advised", "reason"], data=rows, step=0)
+    accelerator.end_training()
 
 
 # ----------------------------------------------------------------------------- the command
@@ -311,50 +510,66 @@ def load_recipe(name: str):
     from .cli import recipes
 
     if name not in RECIPES:
-        raise InputError(f"--recipe {name}: the doctor reads {', '.join(RECIPES)} so far.")
+        raise InputError(f"--recipe {name}: the doctor reads {', '.join(RECIPES)}.")
     spec = importlib.util.spec_from_file_location(f"amp_recipes_doctor_{name}", recipes()[name])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def model_and_batches(recipe, name: str, args, steps: int):
-    """The recipe's own model and its first `steps` training batches, as its code loads them."""
-    from accelerate import Accelerator
+def model_and_rows(recipe, name: str, args, accelerator, steps: int):
+    """The recipe's own model and its first `steps` training batches' rows, as its code loads them."""
     from transformers import AutoConfig, AutoTokenizer
 
     from . import ner
 
-    accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
     config = AutoConfig.from_pretrained(args.model_name_or_path)
     extra = ner.tokenizer_kwargs(config) if name == "bert_ner" else {}
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **extra)
-    task, train_dataloader, *_ = recipe.load_data(args, tokenizer, accelerator)
-    model = recipe.load_model(args, config, task)
-    batches = []
-    for batch in train_dataloader:
-        batches.append(dict(batch))
-        if len(batches) == steps:
-            break
-    return model, batches, accelerator.device
+    loaded = recipe.load_data(args, tokenizer, accelerator)
+    if name == "bert_mlm":  # (train, eval) loaders: a masked LM has no task
+        train_dataloader, model = loaded[0], recipe.load_model(args)
+    else:  # (task, train loader, ...)
+        task, train_dataloader = loaded[0], loaded[1]
+        model = (
+            recipe.load_model(args, config, task) if name != "bert_qa" else recipe.load_model(args, config)
+        )
+    return model, RecipeRows(train_dataloader, steps, args.max_seq_length)
 
 
 def diagnose(
-    recipe, name: str, recipe_argv: list, probe_steps: int = 8, timed_steps: int = 5, budget_s: float = 300
+    recipe,
+    name: str,
+    recipe_argv: list,
+    probe_steps: int = 8,
+    timed_steps: int = 5,
+    budget_s: float = 300,
+    memory_budget_gb: float | None = None,
+    report_dir: str | Path = "doctor",
 ) -> dict:
     """The report: the fp32 probe's fp16 risk, the timed precisions (those the budget leaves time
-    for, fp32 first), the recommendation."""
+    for, fp32 first), the largest batch of each (while time is left), fp8's share, the
+    recommendation."""
     deadline = time.monotonic() + budget_s
+    from accelerate import Accelerator
+
     from .hardware import cpu_has_native_bf16, device_facts
     from .optim import make_optimizer
 
     args = recipe.parse_args(recipe_argv)
     torch.manual_seed(args.seed)
-    model, batches, device = model_and_batches(recipe, name, args, probe_steps)
+    accelerator = Accelerator(
+        mixed_precision="no",
+        cpu=not torch.cuda.is_available(),
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=report_dir,  # TensorBoard's logs: beside doctor.json, not in the recipe's output folder
+    )
+    device = accelerator.device
+    model, rows = model_and_rows(recipe, name, args, accelerator, probe_steps)
     model = model.to(device).train()
     probe = GradientProbe(model)
     optimizer = make_optimizer(model, args, device)
-    for batch in batches:
+    for batch in rows.batches("fp32"):
         loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
         # As accelerate's backward() under --gradient_accumulation_steps: the loss over the window's
         # micro-batches, so each one's gradients are that much smaller.
@@ -372,39 +587,53 @@ def diagnose(
         "growth_interval": args.fp16_growth_interval,
     }
     risk = fp16_risk(probe, scaler)
+
+    def timed(precision, dtype, batches, steps, warmup=2):
+        optimizer_factory = lambda m: make_optimizer(m, args, device)  # noqa: E731
+        checkpointing = args.gradient_checkpointing  # as the recipe would run
+        return time_steps(model, batches, device, dtype, optimizer_factory, steps, warmup, checkpointing)
+
     speed, not_timed = {}, []
     for precision, dtype in precisions_to_time(device).items():
         if time.monotonic() > deadline:
             not_timed.append(precision)  # said in the report: not measured, --budget_s ran out
             continue
-        optimizer_factory = lambda m: make_optimizer(m, args, device)  # noqa: E731
-        speed[precision] = time_steps(
-            model,
-            batches,
-            device,
-            dtype,
-            optimizer_factory,
-            timed_steps,
-            checkpointing=args.gradient_checkpointing,
+        speed[precision] = timed(precision, dtype, rows.batches(precision), timed_steps)
+    budget, largest = memory_budget(device, memory_budget_gb), {}
+    for precision, dtype in precisions_to_time(device).items():
+        if precision not in speed or time.monotonic() > deadline:
+            continue  # the table says "not measured yet"
+
+        def peak_at(size, precision=precision, dtype=dtype):  # one warm-up step and one measured
+            return timed(precision, dtype, [rows.longest(size, precision)], 1, 1)["peak_memory_bytes"]
+
+        largest[precision] = largest_batch(
+            peak_at, device, budget, args.per_device_train_batch_size, deadline
         )
     facts = device_facts(device)
     bf16_native = facts["bf16_supported"] if device.type == "cuda" else cpu_has_native_bf16()
-    return {
+    report = {
         "recipe": name,
         "device": facts.get("device_name", device.type),
         "model_name_or_path": args.model_name_or_path,
         "per_device_train_batch_size": args.per_device_train_batch_size,
-        "probe_steps": len(batches),
+        "max_seq_length": args.max_seq_length,
+        "probe_steps": len(rows.rows),
         "fp16_risk": risk,
         "speed": speed,
         "not_timed_for_budget": not_timed,
+        "largest_batch": largest,
         "bf16_native": bf16_native,
-        "recommendation": recommend(risk, speed, bf16_native, device, len(batches)),
+        "fp8": fp8_report(model, facts, args.max_seq_length),
+        "recommendation": recommend(risk, speed, bf16_native, device, len(rows.rows)),
     }
+    log_to_trackers(accelerator, args, report)
+    return report
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="amp-recipes doctor", description=__doc__.splitlines()[0])
+    description = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's first sentence
+    parser = argparse.ArgumentParser(prog="amp-recipes doctor", description=description)
     parser.add_argument(
         "--recipe", choices=RECIPES, required=True, help="The recipe whose data and model to read."
     )
@@ -415,13 +644,25 @@ def main(argv=None) -> dict:
         "--budget_s",
         type=float,
         default=300,
-        help="Seconds for the whole diagnosis; precisions left untimed say so.",
+        help="Seconds for the whole diagnosis; what is left unmeasured says so.",
+    )
+    parser.add_argument(
+        "--memory_budget_gb",
+        type=float,
+        help="The memory the largest batch must fit (default: the GPU's, or on a CPU what is free).",
     )
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="-- then the recipe's own flags.")
     args = parser.parse_args(argv)
     recipe_argv = args.recipe_args[1:] if args.recipe_args[:1] == ["--"] else args.recipe_args
     report = diagnose(
-        load_recipe(args.recipe), args.recipe, recipe_argv, args.probe_steps, args.timed_steps, args.budget_s
+        load_recipe(args.recipe),
+        args.recipe,
+        recipe_argv,
+        args.probe_steps,
+        args.timed_steps,
+        args.budget_s,
+        args.memory_budget_gb,
+        args.report_dir,
     )
     write_json_atomic(Path(args.report_dir) / "doctor.json", report)
     write_text_atomic(Path(args.report_dir) / "doctor.md", markdown(report))

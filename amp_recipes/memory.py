@@ -28,3 +28,36 @@ def gradient_checkpointing_on(model) -> bool:
     if hasattr(type(model), "is_activation_checkpointing"):
         return model.is_activation_checkpointing
     return model.is_gradient_checkpointing
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A trial that does not fit: torch's OutOfMemoryError, or what accelerate's
+    find_executable_batch_size also reads as one (a raw CUDA allocation failure in a library's
+    kernel is a RuntimeError whose message says " out of memory.")."""
+    import torch
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    return isinstance(error, torch.OutOfMemoryError) or should_reduce_batch_size(error)
+
+
+def largest_fitting(fits, start: int, maximum: int, granularity: int = 1) -> tuple[int, int | None]:
+    """The largest batch size for which `fits(size)` holds: double from `start` until a size does
+    not fit, then bisect down to `granularity`. Upward, unlike accelerate's
+    find_executable_batch_size (which halves a batch until it stops raising OOM): the headroom is
+    the largest batch that fits. Returns (the largest fit, 0 when `start` does not; the smallest
+    size that did not fit, None when `maximum` was reached first)."""
+    largest_fit, smallest_fail, size = 0, None, start
+    while size <= maximum:
+        if not fits(size):
+            smallest_fail = size
+            break
+        largest_fit, size = size, size * 2
+    while smallest_fail is not None and largest_fit and smallest_fail - largest_fit > granularity:
+        middle = largest_fit + max(
+            granularity, (smallest_fail - largest_fit) // 2 // granularity * granularity
+        )
+        if fits(middle):
+            largest_fit = middle
+        else:
+            smallest_fail = middle
+    return largest_fit, smallest_fail

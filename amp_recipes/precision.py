@@ -216,7 +216,7 @@ def _package_version(package: str) -> str | None:
         return None
 
 
-def _flop_share(unwrapped: torch.nn.Module, fp8_names: list[str], seq_len: int) -> float | None:
+def flop_share(unwrapped: torch.nn.Module, fp8_names: list[str], seq_len: int) -> float | None:
     """The fp8 layers' share of one forward pass's FLOPs; None for a model the meta-device copy
     cannot be built for (not a transformers model: no `config` to build it from)."""
     from .flops import forward_flops_by_module
@@ -255,7 +255,7 @@ def fp8_layer_report(accelerator: Accelerator, model: torch.nn.Module, seq_len: 
         "fp8_linear_layers": len(fp8),
         "linear_layers": len(fp8) + len(high),
         "high_precision_linear_layers": high,
-        "fp8_flop_share": _flop_share(unwrapped, fp8, seq_len),
+        "fp8_flop_share": flop_share(unwrapped, fp8, seq_len),
         "fp8_flop_share_seq_len": seq_len,
     }
     if not fp8:  # nothing passed the backend's filter: accelerate's bf16 autocast is all that runs

@@ -118,6 +118,15 @@ def load_data(args, tokenizer, accelerator):
     return train_dataloader, eval_dataloader
 
 
+def load_model(args):
+    """The pretrained encoder with its masked-LM head (the pretraining objective's, weights and all)."""
+    with errors.model_load_errors(args.model_name_or_path):
+        return AutoModelForMaskedLM.from_pretrained(
+            args.model_name_or_path,
+            dtype=torch.float32,  # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts
+        )
+
+
 # ----------------------------------------------------------------------------- evaluate
 def evaluate(model, dataloader, accelerator):
     """Masked-LM loss (mean over masked tokens) and perplexity on the held-out blocks. Their masks
@@ -187,9 +196,7 @@ def main(argv=None):
 
         # --------------------------------------------------------------------- model
         with precision.zero3_init(accelerator):  # AMP: ZeRO-3: 16-bit zero.Init only if the config asks
-            with errors.model_load_errors(args.model_name_or_path):
-                # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts per operation.
-                model = AutoModelForMaskedLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+            model = load_model(args)
         # AMP: fp32 weights (no .half()): autocast needs fp32 master weights.
         precision.check_model_dtype(model, in_effect["precision_in_effect"], accelerator.distributed_type)
         if args.gradient_checkpointing:  # less activation memory for a third more compute

@@ -269,7 +269,7 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     from amp_recipes.compiling import CompileMonitor, dynamo_plugin
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
     from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
-    from amp_recipes.memory import enable_gradient_checkpointing, gradient_checkpointing_on
+    from amp_recipes.memory import enable_gradient_checkpointing, gradient_checkpointing_on, is_out_of_memory
     from amp_recipes.meters import peak_memory_since_window, start_memory_window
     from amp_recipes.optim import make_optimizer
     from amp_recipes.precision import describe_precision, fp8_layer_report, fp8_recipe_kwargs
@@ -449,6 +449,8 @@ def trial_in_process(args, arm: str, batch_size: int, warmup_steps: int, timed_s
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
+    from amp_recipes.memory import is_out_of_memory
+
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     torch._dynamo.reset()
@@ -468,16 +470,6 @@ def trial_in_process(args, arm: str, batch_size: int, warmup_steps: int, timed_s
         raise BenchmarkCrash(message, tail) from None
     finally:
         os.environ.update(launched)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """A trial that does not fit: torch's OutOfMemoryError, or what accelerate's
-    find_executable_batch_size also reads as one (a raw CUDA allocation failure in a library's
-    kernel is a RuntimeError whose message says " out of memory.")."""
-    import torch
-    from accelerate.utils.memory import should_reduce_batch_size
-
-    return isinstance(error, torch.OutOfMemoryError) or should_reduce_batch_size(error)
 
 
 def trial_in_fresh_process(
@@ -529,12 +521,12 @@ def trial_in_fresh_process(
 
 
 def search_max_batch(args, arm: str, work_dir: Path) -> dict:
-    """Largest batch that fits: double from --search_start until a trial does not fit, then bisect.
-
-    Upward, unlike accelerate's find_executable_batch_size (which halves a batch until it stops
-    raising OOM): the headroom is the largest batch that fits. Each trial starts from a released
+    """Largest batch that fits: double from --search_start until a trial does not fit, then bisect
+    (amp_recipes.memory.largest_fitting). Each trial starts from a released
     allocator and a restarted peak, in a fresh process or (--in_process) in this one.
     """
+    from amp_recipes.memory import largest_fitting
+
     trials = []
 
     def fits(batch_size: int) -> bool:
@@ -544,29 +536,20 @@ def search_max_batch(args, arm: str, work_dir: Path) -> dict:
         trials.append({k: trial.get(k) for k in ("batch_size", "fits", "peak_memory_bytes", "failure")})
         return bool(trial["fits"])
 
-    largest_fit, smallest_fail, batch_size = 0, None, args.search_start
     try:
-        while batch_size <= args.search_max:
-            if not fits(batch_size):
-                smallest_fail = batch_size
-                break
-            largest_fit, batch_size = batch_size, batch_size * 2
-        if smallest_fail is None:
-            return {"max_batch_size": largest_fit, "capped_at_search_max": True, "trials": trials}
-        step = args.search_granularity
-        while largest_fit and smallest_fail - largest_fit > step:
-            middle = largest_fit + max(step, (smallest_fail - largest_fit) // 2 // step * step)
-            if fits(middle):
-                largest_fit = middle
-            else:
-                smallest_fail = middle
-    except SearchStopped:  # --time_limit_s: what was found is a lower bound
+        largest_fit, smallest_fail = largest_fitting(
+            fits, args.search_start, args.search_max, args.search_granularity
+        )
+    except SearchStopped:  # --time_limit_s: what was found so far is a lower bound
+        largest_fit = max((trial["batch_size"] for trial in trials if trial["fits"]), default=0)
         return {
             "max_batch_size": largest_fit or None,
             "capped_at_search_max": True,
             "search_stopped": "time limit",
             "trials": trials,
         }
+    if smallest_fail is None:
+        return {"max_batch_size": largest_fit, "capped_at_search_max": True, "trials": trials}
     return {
         "max_batch_size": largest_fit,
         "first_batch_not_fitting": smallest_fail,

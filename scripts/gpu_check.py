@@ -11,7 +11,7 @@ share of the time left when it starts (its weight in STEP_WEIGHTS over the weigh
 still to run): a step that ends early leaves its time to the next ones. The benchmark stops itself
 at its deadline and keeps what it measured; any other step still running at its deadline is
 stopped. A step cut for time reads "partial: time", and is never a failure by itself. The steps,
-and the Python processes each starts (8 for the whole check on one GPU, the check included):
+and the Python processes each starts (9 for the whole check on one GPU, the check included):
 
 1. `pytest -m gpu tests/gpu` (1 process): accelerate's CUDA fp16 path (GradScaler, a skipped step
    on an injected overflow with the scheduler held, scaler state through save/load), bf16, TF32
@@ -19,17 +19,21 @@ and the Python processes each starts (8 for the whole check on one GPU, the chec
 2. fine-tunes of recipes/bert_glue.py on MRPC, the same data and seed: fp32 (1), fp16 (1), bf16
    under FSDP2 through `accelerate launch` with accelerate_configs/fsdp.yaml (2: the launcher and
    one worker per GPU), then the saved fp16 model reloaded with `--eval_only` (1);
-3. the paired benchmark of BERT-base as the recipes fine-tune it (dropout on, their optimizer), every
+3. `amp-recipes doctor` on the same MRPC data and model (1), within its share of the time: the
+   fp16 risk read from fp32 steps, fp32/bf16/fp16 timed with CUDA's peak memory (fp16 through a
+   GradScaler), the largest batch of each searched under a 16 GiB budget, fp8's FLOP share;
+4. the paired benchmark of BERT-base as the recipes fine-tune it (dropout on, their optimizer), every
    series in one process (1): fp32/tf32/fp16/bf16 (and fp8 where the GPU and torchao allow it) at
    128 tokens with the largest batch under a 16 GiB budget; fp8 at 384 tokens; the compiled arms.
 
 Only correctness decides the verdict: the CUDA fp16 tests, each fine-tune running its precision
 (fp16 with a loss scale, bf16 under FSDP2), its loss agreeing with fp32's, the fp16 model's reload
-to the same scores, and every benchmark arm that ran having run its precision. "ok" (exit 0) when
+to the same scores, the doctor having measured every precision the device runs (with CUDA's figures
+on a GPU), and every benchmark arm that ran having run its precision. "ok" (exit 0) when
 all of them hold; "NOT OK" (exit 1) when one fails; "partial: time" (exit 3) when none failed but
 one could not be measured in the budget. Everything lands in --output_dir, at most 8 files:
 summary.json and summary.md (rewritten after every step, each written aside and renamed),
-check.log (every step's output), pytest.xml, benchmark.png. Models and checkpoints go to a scratch
+check.log (every step's output), pytest.xml, doctor.md, benchmark.png. Models and checkpoints go to a scratch
 folder, removed at the end. Data and models come from the checkout: MRPC from data/glue,
 BERT-base's config and vocabulary from data/models/bert-base-uncased (random weights); the dry run
 shrinks BERT to 2 layers of width 32 and runs the same steps, deadlines and verdict.
@@ -61,7 +65,14 @@ BERT_BASE = REPO / "data" / "models" / "bert-base-uncased"
 # The dry run's model: BERT-base's vocabulary and layout, shrunk so a CPU trains it in seconds.
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 
-STEPS = ("gpu_tests", "finetune", "benchmark", "fp8", "compiled")  # --steps; fp8, compiled: benchmark series
+STEPS = (
+    "gpu_tests",
+    "finetune",
+    "doctor",
+    "benchmark",
+    "fp8",
+    "compiled",
+)  # --steps; fp8, compiled: benchmark series
 BUDGET_S = 420
 # A step's share of the time left is its weight over the weights of the steps still to run. The
 # correctness steps come first with ample shares; the benchmark, last, takes what they leave and
@@ -72,6 +83,7 @@ STEP_WEIGHTS = {
     "finetune_fp16": 2,
     "finetune_bf16": 3,  # accelerate launch and FSDP2's set-up on top of a fine-tune
     "reload_fp16": 1,
+    "doctor": 2,
     "benchmark": 6,
 }
 SERIES_WEIGHTS = {"precisions": 4, "fp8_long": 1, "compiled": 2}  # within the benchmark's share
@@ -88,7 +100,11 @@ TIME_CUT = "partial: time"
 # leaves the loss where it started (a difference of all of fp32's progress), one that applies an
 # overflowed step makes it NaN; both fail, and a test runs both.
 AGREEMENT_TOLERANCE = 0.25
-OUTPUT_FILES = ("summary.json", "summary.md", "check.log", "pytest.xml", "benchmark.png")
+OUTPUT_FILES = ("summary.json", "summary.md", "check.log", "pytest.xml", "doctor.md", "benchmark.png")
+# The doctor stops itself (its --budget_s) this fraction of its share early: margin for its last
+# measurement, before the check stops the process.
+DOCTOR_MARGIN = 0.2
+BUDGET = "<the step's seconds>"  # in a step's command: replaced by its share of the time, less its margin
 TAG = "AMP_GPU_CHECK_ID"  # in the environment of every process of a check: what a cleanup finds
 
 
@@ -130,6 +146,10 @@ def plan(dry_run: bool) -> dict:
                 *("--per_device_train_batch_size", 8, "--learning_rate", 3e-3),
             ],
             "fsdp_processes": 2,  # a CPU process group needs two (one per GPU on a GPU)
+            "doctor": [
+                *("--probe_steps", 2, "--timed_steps", 1, "--memory_budget_gb", 1.0, "--"),
+                *("--max_train_samples", 32, "--per_device_train_batch_size", 8),
+            ],
             "precisions": [
                 *("--arms", "fp32,bf16", "--seq_len", 64, "--batch_size", 4, "--warmup_steps", 1),
                 *("--timed_steps", 2, "--memory_budget_gb", 1.0),
@@ -155,6 +175,12 @@ def plan(dry_run: bool) -> dict:
             *("--max_eval_samples", 64, "--learning_rate", 5e-5),
         ],
         "fsdp_processes": 1,
+        # The recipe's default batch (32) on 512 MRPC pairs; the largest batch searched under the
+        # benchmark's 16 GiB budget.
+        "doctor": [
+            *("--probe_steps", 8, "--timed_steps", 10, "--memory_budget_gb", 16, "--"),
+            *("--max_train_samples", 512, "--per_device_train_batch_size", 32),
+        ],
         # BERT-base at 128 tokens needs roughly 0.1 GiB per sample in fp32: under a 16 GiB budget
         # (the GPUs many users fine-tune on) the search brackets the largest batch in a few trials.
         "precisions": [
@@ -332,7 +358,9 @@ def main(argv=None) -> dict:
             summary["steps"][name] = {"status": status, "not_run": reason}
             write_summary(summary, out)
             return None
-        if margin:  # the step's own deadline comes before the check's
+        if margin and BUDGET in command:  # the step stops itself within its share
+            command = [round(seconds * (1 - margin)) if c == BUDGET else c for c in command]
+        elif margin:  # the step's own deadline comes before the check's
             command = [*command, "--deadline", time.time() + seconds * (1 - margin)]
         summary["steps"][name] = run_step(name, command, out / "check.log", env, seconds)
         return summary["steps"][name]
@@ -349,6 +377,8 @@ def main(argv=None) -> dict:
                 work / "model", **sizes["model"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
             )
             run_finetunes(summary, step, sizes, model, work, out)
+        if "doctor" in args.steps:
+            run_doctor(summary, step, sizes, work, out)
         if {"benchmark", "fp8", "compiled"} & set(args.steps):
             run_benchmark(summary, step, sizes, args.steps, work, out)
     finally:
@@ -367,6 +397,8 @@ def planned_steps(asked: list) -> list:
     names = ["gpu_tests"] if "gpu_tests" in asked else []
     if "finetune" in asked:
         names += ["finetune_fp32", "finetune_fp16", "finetune_bf16", "reload_fp16"]
+    if "doctor" in asked:
+        names.append("doctor")
     if {"benchmark", "fp8", "compiled"} & set(asked):
         names.append("benchmark")
     return names
@@ -434,6 +466,40 @@ def run_finetunes(summary: dict, step, sizes: dict, model: Path, work: Path, out
     if ran and ran["status"] == "done":
         scores = read_json(reloaded / "eval_results.json")
         summary["reload_fp16"] = {k: v for k, v in scores.items() if k.startswith("eval_")}
+    write_summary(summary, out)
+
+
+def run_doctor(summary: dict, step, sizes: dict, work: Path, out: Path) -> None:
+    """`amp-recipes doctor` on MRPC as a user runs it, in its share of the time (its --budget_s):
+    the fine-tunes' model (dropout on: the doctor reads what a fine-tune meets), doctor.md kept."""
+    model = work / "doctor_model"
+    if not model.exists():
+        random_bert(model, **sizes["model"])
+    report_dir = work / "doctor"
+    own, recipe = (
+        sizes["doctor"][: sizes["doctor"].index("--")],
+        sizes["doctor"][sizes["doctor"].index("--") :],
+    )
+    command = [sys.executable, "-m", "amp_recipes.cli", "doctor", "--recipe", "bert_glue", *own]
+    command += ["--report_dir", report_dir, "--budget_s", BUDGET, *recipe]
+    command += ["--task_name", "mrpc", "--data_dir", GLUE_DIR, "--model_name_or_path", model]
+    command += ["--output_dir", work / "doctor_unused"]
+    ran = step("doctor", command, margin=DOCTOR_MARGIN)
+    report = read_json(report_dir / "doctor.json")
+    if ran and report:
+        keys = ("device", "speed", "not_timed_for_budget", "largest_batch", "fp8", "recommendation")
+        summary["doctor"] = {k: report[k] for k in keys}
+        summary["doctor"]["settled_loss_scale"] = report["fp16_risk"]["settled_loss_scale"]
+        # What its --budget_s left out: a precision not timed, a largest batch not found or a lower bound.
+        cut = [*report["not_timed_for_budget"]]
+        cut += [
+            p
+            for p in report["speed"]
+            if report["largest_batch"].get(p, {"search_stopped": 1}).get("search_stopped")
+        ]
+        if cut and ran["status"] == "done":
+            ran["status"], ran["cut"] = TIME_CUT, cut
+        shutil.copyfile(report_dir / "doctor.md", out / "doctor.md")
     write_summary(summary, out)
 
 
@@ -768,6 +834,10 @@ def findings(summary: dict) -> dict:
         ),
         # An arm that crashed, or ran another precision than its name (accelerate's silent
         # fallbacks, an emulated fp8), fails; an arm the deadline left out is not a failure.
+        "doctor_measured_every_precision": (
+            doctor_measured(summary["doctor"], dry_run) if summary.get("doctor") else None,
+            ["doctor"],
+        ),
         "every_arm_ran_its_precision": (
             known(all(arm_ran_its_precision(arm, figures, dry_run) for _, arm, figures in arms), arms),
             ["benchmark"],
@@ -780,6 +850,24 @@ def findings(summary: dict) -> dict:
         ),
     }
     return found
+
+
+def doctor_measured(report: dict, dry_run: bool) -> bool:
+    """Every precision the device runs timed, with its largest batch (searched under the budget on
+    a GPU; predicted on a CPU, where a tiny model's peak may not grow enough to say), and a
+    recommendation for fp16 and bf16."""
+    precisions = {"fp32", "bf16"} if dry_run else {"fp32", "bf16", "fp16"}
+    if dry_run:
+        found = all(f["method"] == "predicted" for f in report["largest_batch"].values())
+    else:
+        found = all(
+            f["method"] == "searched" and f["largest_batch"] for f in report["largest_batch"].values()
+        )
+    return (
+        set(report["speed"]) == set(report["largest_batch"]) == precisions
+        and found
+        and {advice["precision"] for advice in report["recommendation"]} == {"fp16", "bf16"}
+    )
 
 
 def arm_ran_its_precision(arm: str, figures: dict, dry_run: bool) -> bool:
@@ -879,6 +967,10 @@ def summary_markdown(summary: dict) -> str:
             )
         elif name == "reload_fp16" and summary.get("reload_fp16"):
             detail = f"reloaded fp16 model: {summary['reload_fp16']}"
+        elif name == "doctor" and summary.get("doctor"):
+            detail = "; ".join(advice["reason"] for advice in summary["doctor"]["recommendation"])
+            if step.get("cut"):
+                detail += f" (its --budget_s left out: {', '.join(step['cut'])})"
         elif name == "benchmark" and step.get("cut"):
             detail = f"stopped at its deadline: {', '.join(step['cut'])}"
         status = step["status"] if step["status"] != "failed" else f"failed (exit {step['exit_code']})"

@@ -9,6 +9,8 @@ import torch
 from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, load_module, reset_accelerate, run
 from wandb_offline import offline_run
 
+from amp_recipes.memory import is_out_of_memory
+
 pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
 
 SCRIPT = REPO / "scripts" / "benchmark_precision.py"
@@ -132,8 +134,8 @@ def test_in_process_trials_run_here_and_an_out_of_memory_error_means_does_not_fi
         assert (result["max_batch_size"], result["first_batch_not_fitting"]) == (96, 128)
         assert [t["failure"] for t in result["trials"] if not t["fits"]] == ["out of memory"]
     # What else reads as "does not fit": what accelerate's find_executable_batch_size reads so.
-    assert script.is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
-    assert not script.is_out_of_memory(RuntimeError("expected scalar type Half but found Float"))
+    assert is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert not is_out_of_memory(RuntimeError("expected scalar type Half but found Float"))
 
 
 def test_headroom_search_finds_the_edge_of_the_budget(benchmark):

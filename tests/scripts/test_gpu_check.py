@@ -69,6 +69,8 @@ def roles(census: Path) -> list[str]:
             found.append("pytest")
         elif "accelerate.commands.launch" in command:
             found.append("launcher")
+        elif "amp_recipes.cli doctor" in command:
+            found.append("doctor")
         elif "bert_glue.py" in command:
             found.append("reload" if "--eval_only" in command else "recipe")
         else:
@@ -90,6 +92,7 @@ def test_gpu_check_dry_run(tmp_path):
         "fp16_loss_agrees_with_fp32": True,
         "bf16_loss_agrees_with_fp32": True,
         "fp16_model_reloads_to_its_scores": True,
+        "doctor_measured_every_precision": True,  # on a CPU: fp32 and bf16, the largest batch predicted
         "every_arm_ran_its_precision": True,
         "fp8_arms_ran_fp8": True,  # emulated: accepted in the dry run only
     }
@@ -98,11 +101,30 @@ def test_gpu_check_dry_run(tmp_path):
     # process group needs two), so the plan on a GPU starts one fewer.
     started = roles(census)
     assert sorted(started) == sorted(
-        ["check", "pytest", "recipe", "recipe", "launcher", "recipe", "recipe", "reload", "benchmark"]
+        [
+            "check",
+            "pytest",
+            "recipe",
+            "recipe",
+            "launcher",
+            "recipe",
+            "recipe",
+            "reload",
+            "doctor",
+            "benchmark",
+        ]
     ), started
-    assert len(started) - (2 - 1) == 8
+    assert len(started) - (2 - 1) == 9
     assert list(summary["steps"]) == [
-        *("gpu_tests", "finetune_fp32", "finetune_fp16", "finetune_bf16", "reload_fp16", "benchmark"),
+        *(
+            "gpu_tests",
+            "finetune_fp32",
+            "finetune_fp16",
+            "finetune_bf16",
+            "reload_fp16",
+            "doctor",
+            "benchmark",
+        ),
     ]
     assert all(step["status"] == "done" for step in summary["steps"].values())
     assert summary["seconds"] <= summary["budget_s"]
@@ -132,7 +154,7 @@ def test_gpu_check_dry_run(tmp_path):
     }  # every arm of every series in the one benchmark process
     assert benchmark["compiled"]["arms"]["fp32+compile"]["compiled_graphs"] >= 1
     assert sorted(p.name for p in out.iterdir()) == [
-        *("benchmark.png", "check.log", "pytest.xml", "summary.json", "summary.md"),
+        *("benchmark.png", "check.log", "doctor.md", "pytest.xml", "summary.json", "summary.md"),
     ]
     assert_output_fits_what_comes_back(out)
     text = (out / "summary.md").read_text()
@@ -140,6 +162,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert "| gpu_tests | done |" in text and "## Paired benchmark" in text and "| bf16 | bf16 |" in text
     assert "**ok**: gpu_tests_passed yes, overflow_step_skipped n/a" in text
     assert "## fp8 at 32 tokens" in text and "## Compiled arms" in text
+    doctor = summary["doctor"]
+    assert set(doctor["speed"]) == set(doctor["largest_batch"]) == {"fp32", "bf16"}
+    assert "| doctor | done |" in text and "fp16: no activation overflow" in text
+    assert (out / "doctor.md").read_text().startswith("# Precision doctor: bert_glue")
 
 
 def test_each_step_gets_its_weight_of_the_time_left():
@@ -181,6 +207,17 @@ def summary_of(gpu_check, **figures):
         "loss_agreement_fp16": {"agrees": True},
         "loss_agreement_bf16": {"agrees": True},
         "reload_fp16": {"eval_accuracy": 0.7},
+        "doctor": {
+            "speed": dict.fromkeys(("fp32", "bf16", "fp16"), {"step_time_s": 0.1}),
+            "not_timed_for_budget": [],
+            "largest_batch": dict.fromkeys(
+                ("fp32", "bf16", "fp16"), {"method": "searched", "largest_batch": 96}
+            ),
+            "recommendation": [
+                {"precision": "bf16", "reason": "bf16: native here, 1.9x fp32's speed"},
+                {"precision": "fp16", "reason": "fp16: no activation overflow in 8 fp32 steps"},
+            ],
+        },
         "fp8_not_run": None,
         "benchmark": {"precisions": {"arms": {"fp16": arm, "fp8": fp8}, "complete": True}},
     }
@@ -212,6 +249,12 @@ def test_only_figures_that_are_wrong_make_the_check_not_ok():
     emulated = summary_of(gpu_check)
     emulated["benchmark"]["precisions"]["arms"]["fp8"]["fp8_emulated"] = True  # no fp8 on a GPU
     assert gpu_check.checks(emulated)[0]["fp8_arms_ran_fp8"] is False
+    cpu_figures = summary_of(gpu_check)  # the doctor fell back to a CPU's figures on the GPU machine
+    cpu_figures["doctor"]["speed"].pop("fp16")
+    assert gpu_check.checks(cpu_figures)[0]["doctor_measured_every_precision"] is False
+    nothing_fit = summary_of(gpu_check)
+    nothing_fit["doctor"]["largest_batch"]["fp16"] = {"method": "searched", "largest_batch": 0}
+    assert gpu_check.checks(nothing_fit)[0]["doctor_measured_every_precision"] is False
 
 
 def test_a_benchmark_cut_short_or_a_step_that_failed():
@@ -333,7 +376,7 @@ def test_unknown_steps_are_refused(capsys):
     with pytest.raises(SystemExit):
         load_gpu_check().parse_args(["--steps", "fp8,fp4"])
     assert (
-        "--steps: unknown ['fp4']; choose from gpu_tests, finetune, benchmark, fp8, compiled."
+        "--steps: unknown ['fp4']; choose from gpu_tests, finetune, doctor, benchmark, fp8, compiled."
         in capsys.readouterr().err
     )
 
