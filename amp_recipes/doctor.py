@@ -314,16 +314,20 @@ def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, d
         try:
             largest, failed = largest_fitting(fits, 1, SEARCH_MAX, granularity=8)
             found = {"largest_batch": largest, "capped_at_search_max": failed is None}
-        except OutOfTime:  # what fit so far: a lower bound
-            largest = max((size for size, fit in trials.items() if fit), default=0)
+        except OutOfTime:  # what fit so far: a lower bound (None: no trial ran)
+            largest = max((size for size, fit in trials.items() if fit), default=None)
             found = {"largest_batch": largest, "search_stopped": "--budget_s ran out"}
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, index)
         return {"method": "searched", **found, "budget_bytes": budget, "trials": len(trials)}
-    small, large = peak_at(batch_size), peak_at(2 * batch_size)
+    small = peak_at(batch_size)
+    found = {"method": "predicted", "budget_bytes": budget}
+    if small > budget / 2:  # twice the batch might not fit: the kernel would kill the process
+        return {**found, "largest_batch": None, "why": "the peak at your batch is over half the budget"}
+    large = peak_at(2 * batch_size)
     per_row = (large - small) / batch_size
     fixed = small - per_row * batch_size
-    found = {"method": "predicted", "budget_bytes": budget, "fixed_bytes": fixed, "bytes_per_row": per_row}
+    found.update(fixed_bytes=fixed, bytes_per_row=per_row)
     if per_row <= 0:  # the resident set did not grow: nothing to extrapolate from
         return {**found, "largest_batch": None, "why": "the peak did not grow with the batch size"}
     return {**found, "largest_batch": max(0, math.floor((budget - fixed) / per_row))}
@@ -417,8 +421,8 @@ def markdown(report: dict) -> str:
         largest = report["largest_batch"].get(name, {})
         fit = largest.get("largest_batch")
         how = largest.get("method", "not measured yet (--budget_s ran out)")
-        if largest.get("capped_at_search_max"):
-            fit = f"{fit}+"  # the search's cap fit too
+        if largest.get("capped_at_search_max") or (largest.get("search_stopped") and fit):
+            fit = f"{fit}+"  # a lower bound: the search's cap fit too, or --budget_s stopped it
         lines.append(
             f"| {name} | {figures['step_time_s']:.4f} | {figures['peak_memory_bytes'] / 2**20:.0f} "
             f"| {'—' if fit is None else fit} | {how} |"

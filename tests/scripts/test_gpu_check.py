@@ -287,6 +287,12 @@ def test_a_benchmark_cut_short_or_a_step_that_failed():
     del elsewhere["benchmark"]["precisions"]["arms"]["fp8"]
     values, why = gpu_check.checks(elsewhere)
     assert values["fp8_arms_ran_fp8"] is None and why["fp8_arms_ran_fp8"] == "n/a"
+    doctor_cut = summary_of(gpu_check)  # its --budget_s left fp16 out: partial, not a failure
+    del doctor_cut["doctor"]["speed"]["fp16"], doctor_cut["doctor"]["largest_batch"]["fp16"]
+    doctor_cut["steps"]["doctor"].update(status="partial: time", cut=["fp16"])
+    values, why = gpu_check.checks(doctor_cut)
+    assert values["doctor_measured_every_precision"] is None
+    assert why["doctor_measured_every_precision"] == "partial: time"
     elsewhere.update(date="now", device="A100", budget_s=420, tables={}, checks=values, not_measured=why)
     elsewhere["verdict"] = gpu_check.verdict(values, why, elsewhere["steps"])
     elsewhere["loss_agreement_fp16"] = elsewhere["loss_agreement_bf16"] = None  # no figures to print
