@@ -18,6 +18,7 @@ import argparse
 import ast
 import shutil
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -46,14 +47,24 @@ def describe(path: Path) -> tuple[str, str]:
     return (lines[0] if lines else ""), command
 
 
-def main(argv=None) -> int:
+def command() -> int:
+    """The `amp-recipes` command: the doctor's --budget_s counts from this process's start, so
+    the imports count too."""
+    import psutil
+
+    started = time.monotonic() - (time.time() - psutil.Process().create_time())
+    return main(sys.argv[1:], started)
+
+
+def main(argv=None, started: float | None = None) -> int:
+    """`started`: the time.monotonic() the doctor's --budget_s counts from (default: its call)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["doctor"]:  # its own flags, then the recipe's after `--` (amp_recipes.doctor)
         from .doctor import main as doctor
         from .errors import one_sentence_errors
 
         with one_sentence_errors():
-            doctor(argv[1:])
+            doctor(argv[1:], started)
         return 0
     parser = argparse.ArgumentParser(prog="amp-recipes", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -97,4 +108,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

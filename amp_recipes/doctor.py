@@ -16,7 +16,7 @@ to the recipe: bert_glue, bert_ner, bert_qa or bert_mlm); the doctor then
   device runs (bf16 where it has it, native or emulated; fp16 on a CUDA GPU), with torch's
   autocast as accelerate's prepare() applies it, on the recipe's batches padded as a run in that
   precision pads them (multiples of 8 for fp16/bf16);
-- finds the largest batch that fits the device's memory (or `--memory_budget_gb`) with every row
+- finds the largest batch that fits what a run could hold (or `--memory_budget_gb`) with every row
   at --max_seq_length tokens, the longest a batch of the run can be: on a GPU by trying batches
   under torch.cuda.set_per_process_memory_fraction, on a CPU by a line through two measured
   batches (the peak grows by the same activations per row);
@@ -61,6 +61,10 @@ OFFSET, BINS = 160, 320  # frexp exponents of float32 values lie in [-148, 129]
 RECIPES = ("bert_glue", "bert_ner", "bert_qa", "bert_mlm")
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # the doctor's names, accelerate's
 SEARCH_MAX = 8192  # the largest batch a GPU search tries
+# Kept free under a GPU search's default budget: what CUDA allocates outside PyTorch's allocator
+# as a trial runs (kernels loaded on first use, library handles). With it, a trial too large fails
+# in the allocator (OutOfMemoryError: "does not fit"), not in the driver. A choice, not a measure.
+CUDA_RESERVE = 2**30
 
 
 # ----------------------------------------------------------------------------- the fp32 probe
@@ -223,14 +227,42 @@ def precisions_to_time(device: torch.device) -> dict[str, torch.dtype | None]:
     return candidates
 
 
+def allocate_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
+    """Have the optimizer allocate its states (AdamW's two moments) now, as a run's first step
+    does: one step on zero gradients at a learning rate of 0, which moves no weight. Without it, a
+    timed fp16 step the GradScaler skips (an overflow) never steps a foreach AdamW
+    (--optim adamw_torch), and the peak memory would leave its states out; the fused AdamW steps
+    anyway (the GradScaler hands it the overflow flag). Every trainable parameter gets states,
+    also one the loss never reaches (an unused pooler), which a run would not hold."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for parameter in group["params"]:
+            if parameter.requires_grad:
+                parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+
+
 def time_steps(
-    model, batches, device, dtype, optimizer_factory, steps: int, warmup: int = 2, checkpointing=False
+    model,
+    batches,
+    device,
+    dtype,
+    optimizer_factory,
+    steps: int,
+    warmup: int = 2,
+    checkpointing=False,
+    scaler_settings: dict | None = None,
 ) -> dict:
     """Seconds per training step and the peak memory as a recipe run reports it (the weights,
     their gradients, the optimizer's states and the activations: on a GPU the allocator's peak; on
     a CPU the process's peak resident set, less the weights of the doctor's own model, which a
-    run does not hold), autocast to `dtype` (None: fp32), fp16 through a GradScaler, on a copy of
-    the model (the doctor's own model stays as it was)."""
+    run does not hold), autocast to `dtype` (None: fp32), fp16 through a GradScaler built with
+    `scaler_settings` (torch.amp.GradScaler's keywords), on a copy of the model (the doctor's own
+    model stays as it was)."""
     from .memory import enable_gradient_checkpointing
     from .meters import peak_memory_since_window, start_memory_window
 
@@ -240,7 +272,10 @@ def time_steps(
     if checkpointing:  # --gradient_checkpointing, as the recipe would run it
         enable_gradient_checkpointing(model)
     optimizer = optimizer_factory(model)
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    allocate_optimizer_states(optimizer)
+    scaler = None
+    if dtype == torch.float16:
+        scaler = torch.amp.GradScaler(device.type, **(scaler_settings or {}))
     started = None
     for i in range(warmup + steps):
         if i == warmup:
@@ -271,12 +306,14 @@ class OutOfTime(Exception):
 
 
 def memory_budget(device: torch.device, memory_budget_gb: float | None) -> int:
-    """--memory_budget_gb, else the GPU's memory, or on a CPU what a run could hold: the memory
-    free now and what this process holds (a recipe run would hold about as much)."""
+    """--memory_budget_gb, else what a run could hold: on a GPU the memory free now and what this
+    process's allocator already holds, less CUDA_RESERVE; on a CPU the memory free now and what
+    this process holds (a recipe run would hold about as much)."""
     if memory_budget_gb:
         return int(memory_budget_gb * 2**30)
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, free + torch.cuda.memory_reserved(device) - CUDA_RESERVE)
     import psutil
 
     return psutil.virtual_memory().available + psutil.Process().memory_info().rss
@@ -291,6 +328,8 @@ def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, d
     the kernel kills the process: predicted instead, from a line through the peaks at the user's
     batch size and twice it (the weights, gradients and optimizer states are the same at any batch
     size; the activations grow with it, by the same bytes per row of the same length)."""
+    from accelerate.utils.memory import clear_device_cache
+
     from .memory import is_out_of_memory, largest_fitting
 
     if device.type == "cuda":
@@ -308,9 +347,14 @@ def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, d
                 if not is_out_of_memory(error):
                     raise
                 trials[size] = False
+            if not trials[size]:  # the failed trial's tensors, freed before the next one
+                clear_device_cache(garbage_collection=True)
             return trials[size]
 
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+        # A cap set before (a call, or PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction) is
+        # never raised by the search, and is restored after it.
+        fraction_before = torch.cuda.get_per_process_memory_fraction(index)
+        torch.cuda.set_per_process_memory_fraction(min(fraction_before, budget / total), index)
         try:
             largest, failed = largest_fitting(fits, 1, SEARCH_MAX, granularity=8)
             found = {"largest_batch": largest, "capped_at_search_max": failed is None}
@@ -318,7 +362,7 @@ def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, d
             largest = max((size for size, fit in trials.items() if fit), default=None)
             found = {"largest_batch": largest, "search_stopped": "--budget_s ran out"}
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, index)
+            torch.cuda.set_per_process_memory_fraction(fraction_before, index)
         return {"method": "searched", **found, "budget_bytes": budget, "trials": len(trials)}
     small = peak_at(batch_size)
     found = {"method": "predicted", "budget_bytes": budget}
@@ -592,10 +636,18 @@ def diagnose(
     }
     risk = fp16_risk(probe, scaler)
 
+    # fp16 is timed as a run after its first steps: the GradScaler with the recipe's --fp16_* flags,
+    # from the scale the probe predicts it settles at (the initial back-off's skipped steps are
+    # the run's first few, not its speed).
+    settled = risk["settled_loss_scale"]
+    timed_scaler = {**scaler, "init_scale": settled if math.isfinite(settled) else scaler["init_scale"]}
+
     def timed(precision, dtype, batches, steps, warmup=2):
         optimizer_factory = lambda m: make_optimizer(m, args, device)  # noqa: E731
         checkpointing = args.gradient_checkpointing  # as the recipe would run
-        return time_steps(model, batches, device, dtype, optimizer_factory, steps, warmup, checkpointing)
+        return time_steps(
+            model, batches, device, dtype, optimizer_factory, steps, warmup, checkpointing, timed_scaler
+        )
 
     speed, not_timed = {}, []
     for precision, dtype in precisions_to_time(device).items():
@@ -635,7 +687,10 @@ def diagnose(
     return report
 
 
-def main(argv=None) -> dict:
+def main(argv=None, started: float | None = None) -> dict:
+    """`amp-recipes doctor`. `started`: the time.monotonic() its --budget_s counts from (the
+    command passes its process's start, so the imports count too); by default, now."""
+    started = time.monotonic() if started is None else started
     description = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's first sentence
     parser = argparse.ArgumentParser(prog="amp-recipes doctor", description=description)
     parser.add_argument(
@@ -648,12 +703,13 @@ def main(argv=None) -> dict:
         "--budget_s",
         type=float,
         default=300,
-        help="Seconds for the whole diagnosis; what is left unmeasured says so.",
+        help="Seconds for the whole diagnosis, from the command's start; what is left unmeasured says so.",
     )
     parser.add_argument(
         "--memory_budget_gb",
         type=float,
-        help="The memory the largest batch must fit (default: the GPU's, or on a CPU what is free).",
+        help="The memory the largest batch must fit (default: on a GPU what is free and what this "
+        "process already holds, less 1 GiB; on a CPU what is free and what this process holds).",
     )
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="-- then the recipe's own flags.")
     args = parser.parse_args(argv)
@@ -664,7 +720,7 @@ def main(argv=None) -> dict:
         recipe_argv,
         args.probe_steps,
         args.timed_steps,
-        args.budget_s,
+        args.budget_s - (time.monotonic() - started),  # what is left of it
         args.memory_budget_gb,
         args.report_dir,
     )

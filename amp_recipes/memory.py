@@ -30,14 +30,22 @@ def gradient_checkpointing_on(model) -> bool:
     return model.is_gradient_checkpointing
 
 
+# What CUDA and cuBLAS say when the driver, not PyTorch's allocator, runs out of memory (a kernel
+# loaded on first use, a library handle): torch raises them as RuntimeErrors whose message
+# accelerate's should_reduce_batch_size does not read ("CUDA error: out of memory" has no period).
+DRIVER_OUT_OF_MEMORY = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """A trial that does not fit: torch's OutOfMemoryError, or what accelerate's
+    """A trial that does not fit: torch's OutOfMemoryError, what accelerate's
     find_executable_batch_size also reads as one (a raw CUDA allocation failure in a library's
-    kernel is a RuntimeError whose message says " out of memory.")."""
+    kernel is a RuntimeError whose message says " out of memory."), or the driver's own."""
     import torch
     from accelerate.utils.memory import should_reduce_batch_size
 
-    return isinstance(error, torch.OutOfMemoryError) or should_reduce_batch_size(error)
+    if isinstance(error, torch.OutOfMemoryError) or should_reduce_batch_size(error):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in DRIVER_OUT_OF_MEMORY)
 
 
 def largest_fitting(fits, start: int, maximum: int, granularity: int = 1) -> tuple[int, int | None]:

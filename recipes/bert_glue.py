@@ -179,6 +179,12 @@ def load_model(args, config, task):
 
 
 # ----------------------------------------------------------------------------- evaluate
+def batch_predictions(model, batch, is_regression: bool) -> torch.Tensor:
+    """A batch's predictions: the label's index, or the score for regression (STS-B)."""
+    logits = model(**batch).logits  # AMP: fp16/bf16 under autocast; argmax or .float() reads them
+    return logits.squeeze(-1).float() if is_regression else logits.argmax(dim=-1)
+
+
 def evaluate(model, eval_dataloaders, metric, accelerator, is_regression):
     """The task's metric on every eval split (MNLI's mismatched one with the suffix `_mm`)."""
     model.eval()
@@ -191,8 +197,7 @@ def evaluate(model, eval_dataloaders, metric, accelerator, is_regression):
         for split, dataloader in eval_dataloaders.items():
             samples = 0
             for batch in dataloader:
-                logits = model(**batch).logits  # AMP: fp16/bf16 under autocast; argmax or .float() reads them
-                predictions = logits.squeeze(-1).float() if is_regression else logits.argmax(dim=-1)
+                predictions = batch_predictions(model, batch, is_regression)
                 # gather_for_metrics drops the samples the last batch repeats to fill every process.
                 predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
                 metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
@@ -216,8 +221,7 @@ def predict(model, test_dataloaders, accelerator, task, output_dir) -> dict:
         for split, dataloader in test_dataloaders.items():
             predicted = []
             for batch in accelerator.prepare_data_loader(dataloader):  # sharded only when predicting
-                logits = model(**batch).logits  # AMP: fp16/bf16 under autocast; argmax or .float() reads them
-                predictions = logits.squeeze(-1).float() if task.is_regression else logits.argmax(dim=-1)
+                predictions = batch_predictions(model, batch, task.is_regression)
                 predicted += accelerator.gather_for_metrics(predictions).cpu().tolist()  # in file order
             mismatched = split == "test_mismatched"  # MNLI: predict_results_mnli-mm.txt, as run_glue.py
             if accelerator.is_main_process:

@@ -13,7 +13,8 @@ state is a per-process singleton, and peak memory must not carry over), with the
 same initial weights and the same batches. `--in_process` runs them all in this process instead,
 seconds faster per trial on a GPU: accelerate's state is reset and the allocator's peak restarted
 (`torch.cuda.reset_peak_memory_stats` after `empty_cache`) before each trial, and the search
-catches `torch.cuda.OutOfMemoryError` the way accelerate's `find_executable_batch_size` does. Default workload: the exact BERT-base architecture
+catches `torch.cuda.OutOfMemoryError` the way accelerate's `find_executable_batch_size` does
+(and the driver's own out-of-memory errors: amp_recipes.memory.is_out_of_memory). Default workload: the exact BERT-base architecture
 (`BertConfig()` defaults are bert-base-uncased's) with random weights, on synthetic token
 batches, so nothing is downloaded; `--head` picks what the recipes train on top of it: a
 sentence classifier (bert_glue.py), a tagger with a label per token (bert_ner.py), or the

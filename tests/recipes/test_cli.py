@@ -38,7 +38,7 @@ def test_ls_lists_every_recipe_with_what_it_does_and_its_command(tmp_path):
     assert len(lines) == 12
     # The installed console script (requirements.txt installs the package) gives the same listing.
     (entry,) = [e for e in entry_points(group="console_scripts") if e.name == "amp-recipes"]
-    assert entry.value == "amp_recipes.cli:main"
+    assert entry.value == "amp_recipes.cli:command"
     console = Path(sys.executable).parent / "amp-recipes"
     assert sh([console, "ls"], tmp_path).stdout == listing.stdout
 

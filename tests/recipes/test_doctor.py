@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import sys
+import time
 
 import pytest
 import torch
@@ -163,7 +164,7 @@ def test_every_recipe_is_diagnosed_on_its_own_data_and_model(name, tmp_path):
     assert not (tmp_path / "unused").exists()
 
 
-@pytest.mark.parametrize("name", ["bert_glue", "bert_ner"])
+@pytest.mark.parametrize("name", doctor.RECIPES)
 def test_the_batches_are_the_recipes_own_padded_as_each_precision_pads(name, tmp_path):
     """The doctor's batches are the ones the recipe's own DataLoader yields: the same rows in the
     same order, padded to the longest row in fp32 and to a multiple of 8 in bf16, as the loader of a
@@ -184,7 +185,9 @@ def test_the_batches_are_the_recipes_own_padded_as_each_precision_pads(name, tmp
 
         extra = ner.tokenizer_kwargs(AutoConfig.from_pretrained(TINY_BERT)) if name == "bert_ner" else {}
         tokenizer = AutoTokenizer.from_pretrained(TINY_BERT, **extra)
-        return recipe.load_data(args, tokenizer, accelerator(mixed_precision))[1]
+        loaded = recipe.load_data(args, tokenizer, accelerator(mixed_precision))
+        # MLM's load_data returns (train, eval) loaders; the others (task, train, ...).
+        return loaded[0] if name == "bert_mlm" else loaded[1]
 
     try:
         rows = doctor.model_and_rows(recipe, name, args, accelerator("no"), 3)[1]
@@ -198,10 +201,12 @@ def test_the_batches_are_the_recipes_own_padded_as_each_precision_pads(name, tmp
                 assert all(torch.equal(ours[key], theirs[key]) for key in ours)
             if precision == "bf16":
                 assert all(batch["input_ids"].shape[1] % 8 == 0 for batch in got)
-        assert any(batch["input_ids"].shape[1] % 8 for batch in rows.batches("fp32"))  # unpadded
+        # GLUE's and NER's rows keep their own lengths (QA's windows and MLM's blocks fill the length).
+        if name in ("bert_glue", "bert_ner"):
+            assert any(batch["input_ids"].shape[1] % 8 for batch in rows.batches("fp32"))  # unpadded
         longest = rows.longest(20, "fp32")
         assert longest["input_ids"].shape == (20, args.max_seq_length)
-        assert longest["labels"].shape[0] == 20
+        assert longest["start_positions" if name == "bert_qa" else "labels"].shape[0] == 20
     finally:
         reset_accelerate()
 
@@ -223,6 +228,147 @@ def test_a_predicted_largest_batch_is_the_line_through_two_measured_peaks():
 
     near = doctor.largest_batch(near_the_budget, torch.device("cpu"), 5_000, 16, math.inf)
     assert near["largest_batch"] is None and measured == [16]  # twice the batch is not tried
+
+
+class FakeGpu:
+    """torch.cuda's memory calls as a GPU of `total` bytes answers them: the seam is the device
+    (this machine has none); the search, its budget and its errors are the doctor's own."""
+
+    def __init__(self, monkeypatch, total=80 * 2**30, fraction=0.9):
+        self.total, self.fractions = total, [fraction]
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: self)
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: self.fractions[-1])
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set_fraction)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * 2**30, total))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * 2**30)
+
+    @property
+    def total_memory(self):
+        return self.total
+
+    def set_fraction(self, fraction, index):
+        assert index == 0
+        self.fractions.append(fraction)
+
+
+def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatch):
+    """On a GPU: batches doubled, then bisected to a multiple of 8, under
+    set_per_process_memory_fraction(budget / total); an out-of-memory error (the allocator's, or
+    the driver's) means "does not fit"; the fraction set before is restored, after an error too."""
+    gpu = FakeGpu(monkeypatch)
+    cuda = torch.device("cuda")
+    budget = doctor.memory_budget(cuda, None)
+    assert budget == 30 * 2**30 + 2 * 2**30 - doctor.CUDA_RESERVE  # free + this process's, less the reserve
+    assert doctor.memory_budget(cuda, 16) == 16 * 2**30  # --memory_budget_gb
+    tried, fractions_seen = [], []
+
+    def peak_at(size):
+        tried.append(size)
+        fractions_seen.append(gpu.fractions[-1])
+        if size > 300:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if size == 296:
+            raise RuntimeError(
+                "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"
+            )
+        return size
+
+    found = doctor.largest_batch(peak_at, cuda, budget, 16, math.inf)
+    assert found["method"] == "searched" and found["largest_batch"] == 288 and found["trials"] == len(tried)
+    assert tried[:10] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] and tried[10:] == [384, 320, 288, 304, 296]
+    assert set(fractions_seen) == {budget / gpu.total} and gpu.fractions[-1] == 0.9
+    # --budget_s ends the search: what fit so far is a lower bound (shown "N+").
+    clock = itertools.count()
+    monkeypatch.setattr(doctor.time, "monotonic", lambda: next(clock))
+    cut = doctor.largest_batch(lambda size: size, cuda, budget, 16, deadline=3)
+    assert cut["largest_batch"] == 8 and cut["search_stopped"] == "--budget_s ran out"
+    assert gpu.fractions[-1] == 0.9
+
+    # Any other error is the user's to see, and the fraction is restored before it propagates.
+    def broken(size):
+        raise RuntimeError("expected scalar type Half but found Float")
+
+    with pytest.raises(RuntimeError, match="expected scalar type"):
+        doctor.largest_batch(broken, cuda, budget, 16, 10**9)
+    assert gpu.fractions[-1] == 0.9
+
+
+def test_a_timed_step_holds_the_optimizers_states_when_fp16_skips_every_step():
+    """A model whose activations overflow fp16: every timed fp16 step is skipped by the GradScaler,
+    and the peak still counts AdamW's two moments, allocated before the first step without moving
+    a weight; the GradScaler is built with the settings it is given (the recipe's --fp16_* flags)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(TINY_BERT, num_labels=2)
+    blow_up(model)
+    batch = {
+        "input_ids": torch.randint(5, 1000, (4, 16)),
+        "attention_mask": torch.ones(4, 16, dtype=torch.long),
+        "labels": torch.tensor([0, 1, 0, 1]),
+    }
+    built = []
+
+    def optimizer_factory(copy):
+        built.append(torch.optim.AdamW(copy.parameters(), lr=1e-3, weight_decay=0.01))
+        return built[-1]
+
+    settings = {"init_scale": 2.0**10, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 7}
+    scalers = []
+    real_scaler = torch.amp.GradScaler
+
+    def recording_scaler(*args, **kwargs):
+        scalers.append(real_scaler(*args, **kwargs))
+        return scalers[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.amp, "GradScaler", recording_scaler)
+        figures = doctor.time_steps(
+            model, [batch], torch.device("cpu"), torch.float16, optimizer_factory, 2, 1, False, settings
+        )
+    assert figures["step_time_s"] > 0
+    optimizer, scaler = built[0], scalers[0]
+    # Three steps, all skipped: the scale backed off three times from the one it was given.
+    assert scaler.get_scale() == 2.0**10 * 0.25**3 and scaler.get_growth_interval() == 7
+    copied = [p for group in optimizer.param_groups for p in group["params"]]
+    assert all(set(optimizer.state[p]) >= {"exp_avg", "exp_avg_sq"} for p in copied)
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(copied, model.parameters(), strict=True))
+    assert optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_the_commands_budget_counts_from_the_process_start(tmp_path):
+    """`amp-recipes doctor` hands its process's start to the doctor, and what the imports took is
+    gone from --budget_s: a budget spent before the doctor starts times nothing, and says so."""
+    # A process that reads the clock first thing, then sleeps and imports before the command runs:
+    # the start handed to the doctor lies before that first reading (psutil's start time is
+    # exact to a second), not at the command's call 2 s and more later.
+    script = (
+        "import sys, time; first = time.monotonic(); time.sleep(2)\n"
+        "from amp_recipes import cli, doctor\n"
+        "doctor.main = lambda argv, started: print(first - started)\n"
+        "sys.argv = ['amp-recipes', 'doctor', '--recipe', 'bert_glue']\n"
+        "cli.command()\n"
+    )
+    done = run([sys.executable, "-c", script], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert -0.1 < float(done.stdout.strip().splitlines()[-1]) < 1.5
+    flags = [str(f) for f in glue_flags(max_train_samples=16, output_dir=tmp_path / "unused")]
+    argv = [
+        "--recipe",
+        "bert_glue",
+        "--report_dir",
+        str(tmp_path / "r"),
+        "--probe_steps",
+        "1",
+        "--budget_s",
+        "60",
+    ]
+    try:
+        report = doctor.main([*argv, "--", *flags], started=time.monotonic() - 61)
+    finally:
+        reset_accelerate()
+    assert report["speed"] == {} and report["largest_batch"] == {}
+    assert report["not_timed_for_budget"] == ["fp32", "bf16"]
 
 
 def test_the_report_goes_to_wandb_when_the_recipe_flags_ask(tmp_path, wandb_dir):

@@ -135,6 +135,11 @@ def test_in_process_trials_run_here_and_an_out_of_memory_error_means_does_not_fi
         assert [t["failure"] for t in result["trials"] if not t["fits"]] == ["out of memory"]
     # What else reads as "does not fit": what accelerate's find_executable_batch_size reads so.
     assert is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    # And the driver's own, which accelerate does not read: a kernel loaded, a cuBLAS handle made.
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ..."))
+    assert is_out_of_memory(
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    )
     assert not is_out_of_memory(RuntimeError("expected scalar type Half but found Float"))
 
 
