@@ -363,7 +363,8 @@ def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, d
             found = {"largest_batch": largest, "search_stopped": "--budget_s ran out"}
         finally:
             torch.cuda.set_per_process_memory_fraction(fraction_before, index)
-        return {"method": "searched", **found, "budget_bytes": budget, "trials": len(trials)}
+        limit = min(budget, int(fraction_before * total))  # a lower cap set before is the limit
+        return {"method": "searched", **found, "budget_bytes": limit, "trials": len(trials)}
     small = peak_at(batch_size)
     found = {"method": "predicted", "budget_bytes": budget}
     if small > budget / 2:  # twice the batch might not fit: the kernel would kill the process
