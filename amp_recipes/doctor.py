@@ -690,7 +690,7 @@ def diagnose(
 
 def main(argv=None, started: float | None = None) -> dict:
     """`amp-recipes doctor`. `started`: the time.monotonic() its --budget_s counts from (the
-    command passes its process's start, so the imports count too); by default, now."""
+    command passes its start, the CLI module's import, so the imports count too); by default, now."""
     started = time.monotonic() if started is None else started
     description = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's first sentence
     parser = argparse.ArgumentParser(prog="amp-recipes doctor", description=description)

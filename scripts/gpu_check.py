@@ -456,10 +456,10 @@ def run_finetunes(summary: dict, step, sizes: dict, model: Path, work: Path, out
             )
         # A run the deadline cut short says nothing of agreement ("partial: time", from the steps'
         # status); one that stopped on its own (a guard: non-finite losses) disagrees.
-        cut = [
+        cut = any(
             summary["steps"].get(f"finetune_{name}", {}).get("status") == TIME_CUT for name in ("fp32", arm)
-        ]
-        if arm != "fp32" and not any(cut):
+        )
+        if arm != "fp32" and not cut:
             summary[f"loss_agreement_{arm}"] = loss_agreement(work / "finetune_fp32", folder)
         write_summary(summary, out)
     saved, reloaded = work / "finetune_fp16", work / "reload_fp16"
