@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from .errors import first_to_say
+from .migration import TRACKERS
 from .precision import fp8_backend_choice
 from .telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
 
@@ -42,12 +44,12 @@ def add_worker_args(group) -> None:
     )
 
 
-# transformers' schedules that take the warm-up and the number of steps and nothing else. Left out:
-# `constant` (it ignores the warm-up: constant_with_warmup with --warmup_ratio 0 is the same),
-# `inverse_sqrt` (its decay timescale counts scheduler steps, which grow with the process count),
-# and those that need settings of their own (cosine_with_min_lr, warmup_stable_decay) or a metric
-# at every step (reduce_lr_on_plateau).
-SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup"]
+# transformers' schedules that take the warm-up and the number of steps and nothing else, and
+# `constant`, which ignores the warm-up (as transformers' does; the no_trainer examples offer it).
+# Left out: `inverse_sqrt` (its decay timescale counts scheduler steps, which grow with the process
+# count), and those that need settings of their own (cosine_with_min_lr, warmup_stable_decay) or a
+# metric at every step (reduce_lr_on_plateau).
+SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup", "constant"]
 
 
 def steps_or_epoch(value: str) -> int | str:
@@ -67,7 +69,12 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
     train.add_argument("--weight_decay", type=float, default=0.01)
     train.add_argument("--num_train_epochs", type=int, default=3)
     train.add_argument("--max_train_steps", type=int, help="Stop after N optimizer steps (overrides epochs).")
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    train.add_argument(
+        "--gradient_accumulation_steps",
+        type=int,
+        help="Micro-batches per optimizer step (default: what a DeepSpeed launch of accelerate launch "
+        "says, from its --gradient_accumulation_steps or the config's deepspeed_config; else 1).",
+    )
     train.add_argument(
         "--lr_scheduler_type",
         choices=SCHEDULERS,
@@ -194,7 +201,13 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         help="Stop after N evaluations in a row without a better --metric_for_best_model.",
     )
     output.add_argument("--logging_steps", type=int, default=10)
-    output.add_argument("--report_to", choices=["none", "wandb", "tensorboard", "all"], default="none")
+    output.add_argument(
+        "--report_to",
+        choices=["none", "all", *TRACKERS],
+        default="none",
+        help="Trackers: all (every one installed) or one of accelerate's (wandb, tensorboard, comet_ml, "
+        "clearml, mlflow, aim, dvclive, ...); none by default.",
+    )
     output.add_argument("--project_name", default="amp-recipes", help="W&B project / TensorBoard folder.")
     output.add_argument("--run_name", help="W&B run name.")
     output.add_argument("--wandb_group", help="W&B group, e.g. one per fp32/fp16 pair.")
@@ -268,9 +281,34 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, rang
             parser.error(f"--{name} must be {rule}, not {value}.")
 
 
+def resolve_gradient_accumulation(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--gradient_accumulation_steps as accelerate will run it. A DeepSpeed launch of `accelerate
+    launch` exports its --gradient_accumulation_steps, or `gradient_accumulation_steps` from the
+    config's deepspeed_config, as ACCELERATE_GRADIENT_ACCUMULATION_STEPS (other launches export
+    nothing, but a user may set it), and accelerate takes that over the script's value without a word: a run would step every micro-batch while the recipe sized its schedule for another
+    count. Unset, the flag takes the launcher's value; set to another, the run is refused."""
+    launcher = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    flag = args.gradient_accumulation_steps
+    if launcher is None:
+        args.gradient_accumulation_steps = flag or 1
+    elif not launcher.isdigit() or int(launcher) < 1:
+        parser.error(
+            f"accelerate launch's gradient_accumulation_steps must be a number of steps, not {launcher!r}."
+        )
+    elif flag is None:
+        args.gradient_accumulation_steps = int(launcher)
+    elif flag != int(launcher):
+        parser.error(
+            f"--gradient_accumulation_steps {flag} disagrees with accelerate launch's {launcher} (its "
+            "--gradient_accumulation_steps, or gradient_accumulation_steps in the config's deepspeed_config), "
+            "which accelerate would use instead: drop one of them, or make them equal."
+        )
+
+
 def check_shared_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """One sentence per bad flag, before anything starts."""
     check_ranges(parser, args, SHARED_RANGES)
+    resolve_gradient_accumulation(parser, args)  # the launcher's value, or the flag's, never both
     if (
         args.gradient_checkpointing
         and args.mixed_precision == "fp8"

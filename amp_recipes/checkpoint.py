@@ -18,9 +18,12 @@ import signal
 import time
 from pathlib import Path
 
+import torch
 from accelerate.logging import get_logger
+from accelerate.utils import SCALER_NAME
 
 from .errors import WRITE_ERRORS, CheckpointError, write_failure
+from .migration import example_checkpoint
 from .records import fsync_dir, fsync_tree, write_json_atomic
 
 MARKER = "amp_checkpoint.json"  # written last: a folder without it is not a checkpoint
@@ -176,21 +179,42 @@ def check_precision_switch(checkpoint: Path, accelerator) -> str | None:
 def load_checkpoint(accelerator, checkpoint: Path) -> None:
     try:
         accelerator.load_state(str(checkpoint))
+        restore_grad_scaler(accelerator, checkpoint)
     except Exception as error:  # torch/safetensors raise many types for damaged or foreign files
         raise CheckpointError(
             f"Could not load checkpoint {checkpoint}: {str(error).splitlines()[0]}"
         ) from error
 
 
+def restore_grad_scaler(accelerator, checkpoint: Path) -> None:
+    """The GradScaler exactly as the checkpoint saved it (accelerate's scaler.pt), after load_state.
+
+    accelerate 1.15 loads FSDP2's optimizer state through torch's set_optimizer_state_dict with the
+    optimizer prepare() wrapped; torch first gives an empty optimizer its states by stepping it on
+    zero gradients, and the wrapped step goes through the GradScaler, loaded just before: update()
+    counts a step without overflow, so the resumed scale grows one step early and the run no longer
+    matches the uninterrupted one (1.16 steps the unwrapped optimizer). Loading the saved state
+    again puts it back, whatever the version; where nothing moved it, it changes nothing."""
+    path = checkpoint / SCALER_NAME
+    if accelerator.scaler is not None and path.is_file():
+        accelerator.scaler.load_state_dict(torch.load(path, weights_only=True))
+
+
 FRESH_RUN = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "tracker_run_id": None, "log_epoch": 0}
 
 
-def resume(accelerator, value: str | None, checkpoints_dir: Path, identity: dict) -> dict:
+def resume(accelerator, value: str | None, checkpoints_dir: Path, identity: dict, layout=None) -> dict:
     """Find, check and load a checkpoint (model, optimizer, scheduler, GradScaler, RNG); return its
-    record. Without one (`value` None: no --resume_from_checkpoint), the position of a fresh run."""
+    record. Without one (`value` None: no --resume_from_checkpoint), the position of a fresh run.
+    A folder transformers' no_trainer examples wrote (epoch_<i>, step_<n>) is resumed too: see
+    resume_example (`layout`: the run's optimizer steps per epoch, batches per epoch per process,
+    gradient accumulation steps)."""
     if not value:
         return dict(FRESH_RUN)
     path = resolve_checkpoint(value, checkpoints_dir)
+    written_by_example = not (path / MARKER).exists() and example_checkpoint(path)
+    if written_by_example:
+        return resume_example(accelerator, path, *written_by_example, *layout)
     record = read_checkpoint(path, identity)
     warning = check_precision_switch(path, accelerator)
     if warning:
@@ -200,6 +224,42 @@ def resume(accelerator, value: str | None, checkpoints_dir: Path, identity: dict
     # The epoch an evaluation at this position is logged with: the loop counts an epoch from its
     # first batch (`epoch + 1`), so a checkpoint saved mid-epoch belongs to the epoch it is in.
     return {**record, "log_epoch": record["epoch"] + (record["batches_in_epoch"] > 0), "path": str(path)}
+
+
+def resume_example(
+    accelerator,
+    path: Path,
+    kind: str,
+    number: int,
+    steps_per_epoch: int,
+    batches_per_epoch: int,
+    accumulation: int,
+) -> dict:
+    """A folder written by a transformers no_trainer example's --checkpointing_steps
+    (accelerator.save_state into epoch_<i> or step_<n>): its model, optimizer, scheduler, RNG
+    states and GradScaler loaded as the example loads them. It records no position of its own, so
+    the position is read from its name, as the example reads it: after epoch_<i>, the start of
+    epoch i+1; at step_<n>, optimizer step n, n x accumulation micro-batches into the data. The
+    batches that follow are the recipe's shuffle (seeded by --seed), not the run's that wrote it."""
+    if kind == "epoch":
+        epoch, in_epoch, step = number + 1, 0, (number + 1) * steps_per_epoch
+    else:
+        epoch, in_epoch = divmod(number * accumulation, batches_per_epoch)
+        step = number
+    warning = check_precision_switch(path, accelerator)
+    if warning:
+        logger.warning(warning, main_process_only=True)
+    load_checkpoint(accelerator, path)
+    logger.warning(
+        f"Resumed from {path}, which a transformers no_trainer example wrote (accelerator.save_state, no "
+        f"record of its own): its weights, optimizer, learning-rate scheduler and random states are "
+        f"loaded; its position is read from its name, as the example reads it: step {step}, epoch "
+        f"{epoch + 1}, {in_epoch} batches into it. The batches that follow are this recipe's shuffle of the "
+        "data (--seed), not the one of the run that wrote it.",
+        main_process_only=True,
+    )
+    position = {"global_step": step, "epoch": epoch, "batches_in_epoch": in_epoch}
+    return {**FRESH_RUN, **position, "log_epoch": epoch + (in_epoch > 0), "path": str(path)}
 
 
 def tracker_run_id(accelerator) -> str | None:

@@ -130,6 +130,60 @@ def lost_rank_message(error: BaseException | None) -> str | None:
     )
 
 
+def agent_store(timeout_s: float = 5.0):
+    """A client of torchrun's key-value store for this launch, kept in the launcher's agent process
+    (which outlives the ranks); None outside a multi-process torchrun launch (what `accelerate
+    launch` runs for more than one process) or when the store does not answer within `timeout_s`."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except Exception:  # noqa: BLE001 - no store: the caller does without
+        return None
+
+
+def store_key(name: str) -> str:
+    """A key of this launch's attempt in the agent store (a restarted launch starts afresh)."""
+    return f"amp_recipes/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+_END = {"kind": None}  # how this process is ending on purpose, once mark_end has said it
+
+
+def mark_end(kind: str) -> None:
+    """Before a rank of a multi-process launch ends on purpose, say how in the launch's store, once:
+    `finished`, `stopped` (preempted, after its checkpoint), `error` (with its own message), `lost`
+    (a collective failed because another rank went: its error is a symptom) or `gave_up` (its peer
+    watch ended it). The other ranks' peers.PeerWatch then does not take its exit for a death, and
+    a rank that failed with its own error ends the ones left waiting for it (`failed`, a count)."""
+    if _END["kind"] is not None:
+        return
+    _END["kind"] = kind
+    store = agent_store()
+    if store is None:
+        return
+    try:
+        store.set(store_key(f"ended/{os.environ.get('RANK', '0')}"), kind)
+        if kind == "error":
+            store.add(store_key("failed"), 1)
+    except Exception:  # noqa: BLE001 - the store is gone: the launch is ending anyway
+        pass
+
+
+def ending_on_purpose() -> str | None:
+    """How this process said it is ending (mark_end), or None."""
+    return _END["kind"]
+
+
 def first_to_say(sentence: str) -> bool:
     """Whether no other process of this launch has printed `sentence` yet.
 
@@ -140,23 +194,12 @@ def first_to_say(sentence: str) -> bool:
     and the others stay silent. It is not a collective: a rank that failed alone never waits for
     the others. Different sentences are each printed. Any other launcher, or a store that does not
     answer within 5 s, and the sentence is printed (twice at worst, never lost)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    store = agent_store()
+    if store is None:
         return True
-    try:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=5),
-        )
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted launch says it again
-        key = f"amp_recipes/error/{attempt}/{hashlib.sha1(sentence.encode()).hexdigest()}"
-        return store.add(key, 1) == 1
-    except Exception:  # noqa: BLE001 - no store, no answer: print rather than lose the cause
+    try:  # a restarted launch says it again: the key is the attempt's
+        return store.add(store_key(f"error/{hashlib.sha1(sentence.encode()).hexdigest()}"), 1) == 1
+    except Exception:  # noqa: BLE001 - no answer: print rather than lose the cause
         return True
 
 
@@ -178,9 +221,18 @@ def one_sentence_errors():
     try:
         yield
     except (InputError, TrainingDiverged) as error:
+        mark_end("error")
         exit_with(f"error: {error}")
     except RuntimeError as error:  # torch.distributed.DistBackendError is one
         message = lost_rank_message(error)
+        mark_end("error" if message is None else "lost")  # another rank's loss: not an error of its own
         if message is None:
             raise
         exit_with(f"error: {message}")
+    except SystemExit as stop:  # a preemption's 143/130 after its checkpoint; argparse's 2
+        mark_end("stopped" if stop.code in (130, 143) else "error" if stop.code else "finished")
+        raise
+    except BaseException:  # any other error: its traceback follows
+        mark_end("error")
+        raise
+    mark_end("finished")

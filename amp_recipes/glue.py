@@ -372,6 +372,14 @@ def _label_type(values: list, path: str, label_type: str) -> str:
     return "classification"
 
 
+def default_text_columns(columns: list[str], label_column: str) -> tuple[str, ...] | None:
+    """sentence1 + sentence2, sentence or text; else, as transformers' run_glue_no_trainer.py
+    reads a file, the first two columns other than the label as a pair, or the one there is."""
+    named = next((c for c in _DEFAULT_TEXT_COLUMNS if set(c) <= set(columns)), None)
+    others = [c for c in columns if c != label_column]
+    return named or (tuple(others[:2]) if others else None)
+
+
 def load_user_files(
     train_file: str,
     validation_file: str,
@@ -391,13 +399,43 @@ def load_user_files(
         "train": load_user_file(train_file, cache_dir),
         "validation": load_user_file(validation_file, cache_dir),
     }
+    return user_task(
+        tables, {"train": train_file, "validation": validation_file}, text_columns, label_column, label_type
+    )
+
+
+def load_named_dataset(
+    name: str,
+    config: str | None,
+    text_columns: tuple[str, ...] | None = None,
+    label_column: str = "label",
+    label_type: str = "auto",
+) -> TaskData:
+    """A Hub dataset by name (--dataset_name, --dataset_config_name) with train and validation
+    splits, read as your own files are (its text and label columns)."""
+    raw = load_hub_dataset(
+        name,
+        *([config] if config else []),
+        offline="Give --train_file and --validation_file (or --task_name with --data_dir).",
+    )
+    missing = [split for split in ("train", "validation") if split not in raw]
+    if missing:
+        raise InputError(f"{name} has no {' or '.join(missing)} split (it has {list(raw)}).")
+    tables = {split: raw[split] for split in ("train", "validation")}
+    return user_task(tables, dict.fromkeys(tables, name), text_columns, label_column, label_type)
+
+
+def user_task(tables: dict, sources: dict, text_columns, label_column: str, label_type: str) -> TaskData:
+    """Your own classification or regression rows (train and validation tables, `sources` naming
+    where each came from): text and label columns checked, labels encoded."""
+    train_file, validation_file = sources["train"], sources["validation"]
     columns = tables["train"].column_names
     if text_columns is None:
-        text_columns = next((c for c in _DEFAULT_TEXT_COLUMNS if set(c) <= set(columns)), None)
+        text_columns = default_text_columns(columns, label_column)
         if text_columns is None:
             raise InputError(
-                f"{train_file}: no text columns found (looked for sentence1+sentence2, sentence or text); "
-                f"found {columns}. Name them with --text_columns."
+                f"{train_file}: no text columns found (looked for sentence1+sentence2, sentence or text, "
+                f"then any column but {label_column!r}); found {columns}. Name them with --text_columns."
             )
     for split, table in tables.items():
         path = train_file if split == "train" else validation_file
@@ -473,5 +511,9 @@ def tokenize_splits(task: TaskData, tokenizer, max_seq_length: int, num_proc: in
     )
 
 
-def make_collator(tokenizer, mixed_precision: str):
+def make_collator(tokenizer, mixed_precision: str, max_length: int | None = None):
+    """Each batch padded to its longest row (a multiple of 8 under fp16/bf16); `max_length`
+    (--pad_to_max_length): every batch to that length."""
+    if max_length:
+        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
     return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_multiple(mixed_precision))

@@ -61,7 +61,66 @@ def load_text_files(
     return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
 
 
-def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | None = None):
+def load_named_dataset(
+    name: str,
+    config: str | None,
+    text_column: str | None = None,
+    validation_percentage: float = 5.0,
+    seed: int = 42,
+) -> datasets.DatasetDict:
+    """A Hub dataset of text (--dataset_name, --dataset_config_name): its `text` column, else its
+    first (or --text_column); without a validation split, `validation_percentage` of the training
+    texts held out (seeded split), as with your own files."""
+    from .files import load_hub_dataset
+
+    raw = load_hub_dataset(
+        name, *([config] if config else []), offline="Give --train_file (and --validation_file) instead."
+    )
+    columns = raw["train"].column_names
+    column = text_column if text_column in columns else "text" if "text" in columns else columns[0]
+
+    def texts(table: datasets.Dataset) -> datasets.Dataset:
+        table = table.select_columns([column]).rename_columns({column: "text"} if column != "text" else {})
+        return table.filter(lambda row: isinstance(row["text"], str) and bool(row["text"].strip()))
+
+    if "validation" in raw:
+        return datasets.DatasetDict({"train": texts(raw["train"]), "validation": texts(raw["validation"])})
+    train = texts(raw["train"])
+    split = train.train_test_split(
+        test_size=max(1, round(train.num_rows * validation_percentage / 100)), seed=seed
+    )
+    return datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
+
+
+def tokenize_lines(
+    splits, tokenizer, max_seq_length: int, num_proc=None, pad_to_max_length=False, load_from_cache_file=True
+):
+    """--line_by_line: each text (line) its own sequence, cut at max_seq_length tokens (and, with
+    --pad_to_max_length, padded to it), as transformers' run_mlm_no_trainer.py does."""
+    check_max_length(tokenizer, max_seq_length)
+
+    def tokenize(batch):
+        return tokenizer(
+            batch["text"],
+            truncation=True,
+            max_length=max_seq_length,
+            padding="max_length" if pad_to_max_length else False,
+            return_special_tokens_mask=True,
+        )
+
+    return splits.map(
+        tokenize,
+        batched=True,
+        remove_columns=splits["train"].column_names,
+        num_proc=num_proc,
+        load_from_cache_file=load_from_cache_file,
+        desc="Tokenizing lines",
+    )
+
+
+def tokenize_and_group(
+    splits, tokenizer, max_seq_length: int, num_proc: int | None = None, load_from_cache_file: bool = True
+):
     """Language-model inputs: tokenise each text (with its special tokens), concatenate them and
     cut blocks of max_seq_length tokens, so no compute goes to padding. A split too short for one
     block keeps what it has as a single shorter block."""
@@ -84,6 +143,7 @@ def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | N
         batched=True,
         remove_columns=splits["train"].column_names,
         num_proc=num_proc,
+        load_from_cache_file=load_from_cache_file,  # --overwrite_cache: tokenise again
         desc="Tokenizing",
     )
     return tokenized.map(
@@ -91,6 +151,7 @@ def tokenize_and_group(splits, tokenizer, max_seq_length: int, num_proc: int | N
         batched=True,
         batch_size=1000,
         num_proc=num_proc,
+        load_from_cache_file=load_from_cache_file,
         desc=f"Grouping into blocks of {max_seq_length}",
     )
 

@@ -82,10 +82,17 @@ def read_conll(path: str, words_only=False) -> datasets.Dataset:
     return datasets.Dataset.from_dict(rows)
 
 
-def read_json(path: str, tokens_column: str, tags_column: str | None, words_only=False) -> datasets.Dataset:
+def read_json(
+    path: str, tokens_column: str | None, tags_column: str | None, words_only=False, task: str = "ner"
+) -> datasets.Dataset:
     """Rows with a list of words and a list of tag names of the same length (`words_only`: the
-    words are enough, the tags are not read)."""
+    words are enough, the tags are not read). Columns not named: `tokens`, else the first column
+    (as transformers' run_ner_no_trainer.py reads a file); `<task>_tags`, tags or labels, else the
+    second."""
     table = load_user_file(path, None, JSON_BUILDERS)
+    columns = table.column_names
+    if tokens_column is None:
+        tokens_column = "tokens" if "tokens" in columns or not columns else columns[0]
     if words_only:  # --test_file: every tag O, never read (word_tags predicts them)
         if tokens_column not in table.column_names:
             raise InputError(
@@ -93,7 +100,9 @@ def read_json(path: str, tokens_column: str, tags_column: str | None, words_only
             )
         tags_column = "__tags__"
         table = table.add_column(tags_column, [["O"] * len(words or []) for words in table[tokens_column]])
-    tags_column = tags_column or next((c for c in TAG_COLUMNS if c in table.column_names), TAG_COLUMNS[0])
+    candidates = (f"{task}_tags", *TAG_COLUMNS)
+    fallback = columns[1] if len(columns) > 1 else TAG_COLUMNS[0]
+    tags_column = tags_column or next((c for c in candidates if c in table.column_names), fallback)
     missing = [c for c in (tokens_column, tags_column) if c not in table.column_names]
     if missing:
         raise InputError(
@@ -125,11 +134,11 @@ def read_json(path: str, tokens_column: str, tags_column: str | None, words_only
 
 
 def read_file(
-    path: str, tokens_column: str = "tokens", tags_column: str | None = None, words_only=False
+    path: str, tokens_column: str | None = None, tags_column: str | None = None, words_only=False, task="ner"
 ) -> datasets.Dataset:
     suffix = Path(path).suffix.lower()
     if suffix in JSON_BUILDERS:
-        return read_json(path, tokens_column, tags_column, words_only)
+        return read_json(path, tokens_column, tags_column, words_only, task)
     if suffix in CONLL_SUFFIXES:
         return read_conll(path, words_only)
     raise InputError(
@@ -180,31 +189,39 @@ def check_known_tags(table: datasets.Dataset, label_names, path: str, train_sour
 
 
 # ----------------------------------------------------------------------------- sources
-def load_hub(name: str = HUB_DATASET, revision: str | None = HUB_REVISION, cache_dir=None) -> TaggingData:
+def load_hub(
+    name: str = HUB_DATASET, revision: str | None = HUB_REVISION, cache_dir=None, config=None, task="ner"
+) -> TaggingData:
+    """A Hub dataset of `tokens` and `<task>_tags` (ClassLabel ids: their names are the tags)."""
     raw = load_hub_dataset(
         name,
+        *([config] if config else []),
         offline="Give --train_file and --validation_file (CoNLL text or JSON; the repository ships a "
         "CoNLL-2003 excerpt in data/conll2003).",
         revision=revision,
         cache_dir=cache_dir,
     )
-    names = raw["train"].features["ner_tags"].feature.names
+    column = f"{task}_tags"
+    if column not in raw["train"].column_names or "tokens" not in raw["train"].column_names:
+        raise InputError(
+            f"{name} has no tokens and {column} columns (it has {raw['train'].column_names}); give "
+            "--train_file and --validation_file with --text_column_name / --label_column_name."
+        )
+    names = raw["train"].features[column].feature.names
     splits = datasets.DatasetDict()
     for split in ("train", "validation"):
-        table = raw[split].select_columns(["tokens", "ner_tags"])
-        table = table.map(
-            lambda row: {"tags": [names[i] for i in row["ner_tags"]]}, remove_columns=["ner_tags"]
-        )
+        table = raw[split].select_columns(["tokens", column])
+        table = table.map(lambda row: {"tags": [names[i] for i in row[column]]}, remove_columns=[column])
         splits[split] = table.add_column("where", [f"row {i}" for i in range(1, table.num_rows + 1)])
     return TaggingData("conll2003", splits, tuple(names), tag_scheme(splits["train"], name))
 
 
 def load_files(
-    train_file: str, validation_file: str, tokens_column="tokens", tags_column=None
+    train_file: str, validation_file: str, tokens_column=None, tags_column=None, task="ner"
 ) -> TaggingData:
     splits = datasets.DatasetDict(
-        train=read_file(train_file, tokens_column, tags_column),
-        validation=read_file(validation_file, tokens_column, tags_column),
+        train=read_file(train_file, tokens_column, tags_column, task=task),
+        validation=read_file(validation_file, tokens_column, tags_column, task=task),
     )
     scheme = tag_scheme(splits["train"], train_file)
     validation_scheme = tag_scheme(splits["validation"], validation_file)  # well-formed tags there too

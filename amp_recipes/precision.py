@@ -11,6 +11,8 @@ precision checks) and reports what actually happens, so logs never claim fp16 fo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import os
 from importlib.metadata import PackageNotFoundError, version
 
@@ -19,6 +21,8 @@ from accelerate import Accelerator
 from accelerate.utils import (
     AORecipeKwargs,
     DistributedType,
+    FullyShardedDataParallelPlugin,
+    GradScalerKwargs,
     TERecipeKwargs,
     is_torchao_available,
     is_transformer_engine_available,
@@ -162,6 +166,51 @@ def fsdp2_launch() -> bool:
     return parse_flag_from_env("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") == "2"
 
 
+def fsdp_plugin(mixed_precision: str | None) -> FullyShardedDataParallelPlugin | None:
+    """Under an FSDP2 launch, the FSDP plugin accelerate would build from the launch's settings,
+    with one change to its MixedPrecisionPolicy: FSDP2 does not cast the model's outputs
+    (`output_dtype` None), so the loss reaches backward in fp32, as autocast computed it.
+
+    accelerate 1.15 sets `output_dtype` to the compute dtype. Under fp16 the loss then leaves the
+    model in fp16, and backward starts from the GradScaler's scale rounded to fp16: 65536 (the
+    default initial scale) is inf there, so the first step always overflows and the scale can never
+    grow past 32768. accelerate 1.16 leaves `output_dtype` unset, as this does. None elsewhere:
+    accelerate builds its own plugin (FSDP1 does not cast outputs)."""
+    if not fsdp2_launch():
+        return None
+    plugin = FullyShardedDataParallelPlugin()  # the launch's FSDP_* settings, as accelerate reads them
+    mixed_precision = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)  # accelerate's own policy for this precision
+        plugin.mixed_precision_policy = dataclasses.replace(plugin.mixed_precision_policy, output_dtype=None)
+    return plugin
+
+
+def autocast_fsdp2_forward(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """After prepare(), under FSDP2 with mixed precision: the model's forward under autocast, with
+    its outputs converted to fp32, as prepare() does for every other engine (accelerate's own
+    `get_mixed_precision_context_manager` and `convert_outputs_to_fp32`, as in its prepare_model).
+
+    accelerate's FSDP2 path (1.15, 1.16) leaves them out: FSDP2 casts the weights to fp16/bf16
+    (MixedPrecisionPolicy) and the whole forward runs in that dtype, the loss included. Under fp16
+    backward then starts from the GradScaler's scale rounded to fp16, where the default 65536 is
+    inf: every step at that scale overflows, and the scale never stays above 32768. Under
+    autocast softmax, the norms and the loss run in fp32, in training and in evaluation alike.
+    Elsewhere this does nothing."""
+    if not (accelerator.is_fsdp2 and accelerator.native_amp):
+        return
+    from types import MethodType
+
+    from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+    autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+    model._original_forward = model.forward
+    if hasattr(model.forward, "__func__"):  # a method: wrapped, and bound again (accelerate's way)
+        model.forward = MethodType(convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    else:
+        model.forward = convert_outputs_to_fp32(autocast(model.forward))
+
+
 def fp8_linear_config(fsdp2: bool = False):
     """torchao's Float8Linear settings: dynamic tensorwise scaling (torchao's default recipe);
     inner dimensions padded to multiples of 16 (torch._scaled_mm needs them; the weight-gradient
@@ -298,6 +347,8 @@ def check_launch(accelerator) -> None:
       files) unless ACCELERATE_USE_CPU=1 asks for a gloo process group.
     - accelerate turns on FSDP / DeepSpeed only over GPU (or other accelerator) process groups:
       asked on a CPU, it trains with plain DDP instead.
+    - A DeepSpeed config file whose gradient_accumulation_steps is not the run's: prepare() would
+      switch to the file's, with a warning, after the recipe sized its schedule for the run's.
     """
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes != launched:
@@ -312,6 +363,15 @@ def check_launch(accelerator) -> None:
                 f"{engine} was requested but accelerate set up {accelerator.distributed_type.value} on "
                 f"{accelerator.device.type}: accelerate enables {engine} only on GPUs; use a GPU machine or drop it."
             )
+    plugin = accelerator.state.deepspeed_plugin
+    configured = plugin.deepspeed_config.get("gradient_accumulation_steps") if plugin else None
+    if isinstance(configured, int) and configured != accelerator.gradient_accumulation_steps:
+        raise InputError(
+            f"The DeepSpeed config file says gradient_accumulation_steps {configured} (accelerate puts 1 where it "
+            f"says nothing) and the run asks for {accelerator.gradient_accumulation_steps}: prepare() would switch to "
+            f'{configured} after the schedule was sized; set it to "auto" in the file (the flag then decides) or '
+            f"to {accelerator.gradient_accumulation_steps}."
+        )
 
 
 def preflight_checks(
@@ -374,6 +434,89 @@ def preflight_checks(
     return warnings, refusals
 
 
+# What the recipes' --fp16_* flags (torch's GradScaler settings) are in DeepSpeed's fp16 config.
+# DeepSpeed's dynamic loss scaler multiplies by a fixed factor 2 (growth) and 1/2 (back-off): its
+# config has no key for either. `hysteresis` 1 halves the scale on every overflowing step, as torch
+# does (DeepSpeed's default 2 lets the first overflow after each growth pass without a back-off).
+DEEPSPEED_FIXED_FACTORS = {"growth_factor": 2.0, "backoff_factor": 0.5}
+
+
+def deepspeed_loss_scaling(plugin, handler: GradScalerKwargs | None) -> dict:
+    """DeepSpeed fp16: the recipe's GradScaler settings (`handler`, its GradScalerKwargs:
+    --fp16_init_scale, --fp16_growth_interval, --fp16_growth_factor, --fp16_backoff_factor) written
+    into the fp16 section of the DeepSpeed plugin's config, before prepare() hands that very dict to
+    deepspeed.initialize. accelerate
+    creates no GradScaler under DeepSpeed and drops GradScalerKwargs without a word; DeepSpeed's own
+    scaler would start at 2**16, grow after 1000 clean steps and halve only on a second overflow.
+
+    Written: `initial_scale_power` (log2 of --fp16_init_scale), `loss_scale_window`
+    (--fp16_growth_interval), `hysteresis` 1 and dynamic scaling (`loss_scale` 0). A DeepSpeed config
+    file's own value stays unless a flag set on the command line says otherwise (then the run is
+    refused); keys the file leaves out or sets to "auto" are filled. Raises InputError for what
+    DeepSpeed cannot do: growth/back-off factors other than 2 and 0.5, an initial scale that is not a
+    power of two, loss-scale flags with a static loss scale. Returns DeepSpeed's loss-scale settings."""
+    handler = handler or GradScalerKwargs()
+    given = handler.to_kwargs()  # the flags set to something other than torch's defaults
+    for name, fixed in DEEPSPEED_FIXED_FACTORS.items():
+        if getattr(handler, name) != fixed:
+            raise InputError(
+                f"--fp16_{name} {getattr(handler, name):g}: DeepSpeed's fp16 loss scaler grows by 2 and backs off "
+                "by 0.5, fixed; drop the flag, or use DDP/FSDP (multi_gpu.yaml, fsdp.yaml) for another factor."
+            )
+    power = math.log2(handler.init_scale) if handler.init_scale >= 1 else math.nan
+    if not power.is_integer():
+        raise InputError(
+            f"--fp16_init_scale {handler.init_scale:g}: DeepSpeed's initial loss scale is a power of two, at "
+            "least 1 (its initial_scale_power); use one, e.g. 65536 (2**16)."
+        )
+    fp16 = plugin.deepspeed_config.setdefault("fp16", {"enabled": True})
+    if fp16.get("loss_scale") not in (None, "auto", 0):  # a static loss scale, from the config file
+        if given:
+            raise InputError(
+                f"The DeepSpeed config's fp16.loss_scale {fp16['loss_scale']} is a static loss scale: the "
+                f"--fp16_* flags ({', '.join(given)}) have nothing to set; drop them, or set loss_scale to 0."
+            )
+        return {key: fp16[key] for key in ("loss_scale",)}
+    wanted = {  # DeepSpeed key -> (value, the flag it comes from)
+        "loss_scale": (0, None),
+        "initial_scale_power": (int(power), "init_scale"),
+        "loss_scale_window": (handler.growth_interval, "growth_interval"),
+        "hysteresis": (1, None),
+    }
+    for key, (value, flag) in wanted.items():
+        if fp16.get(key) in (None, "auto"):
+            fp16[key] = value
+        elif fp16[key] != value and flag in given:
+            raise InputError(
+                f"--fp16_{flag} disagrees with the DeepSpeed config file's fp16.{key} {fp16[key]}: drop the "
+                'flag, or the key (or set it to "auto") to let the flag decide.'
+            )
+    return {key: fp16[key] for key in wanted}
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def describe_deepspeed_loss_scaling(settings: dict) -> str:
+    """DeepSpeed's loss-scale settings in words, for the preflight block."""
+    if settings.get("loss_scale"):
+        return f"DeepSpeed's static loss scale {settings['loss_scale']:g}"
+    hysteresis = settings["hysteresis"]
+    overflow = (
+        "halves on each overflowing step"
+        if hysteresis == 1
+        else f"halves from the {_ordinal(hysteresis)} overflow on (hysteresis {hysteresis})"
+    )
+    window = settings["loss_scale_window"]
+    return (
+        f"DeepSpeed's dynamic loss scaler: starts at 2**{settings['initial_scale_power']}, doubles on the "
+        f"{_ordinal(window + 1)} step without overflow, then every {window}, {overflow} (every overflowing step "
+        "is skipped)"
+    )
+
+
 @contextlib.contextmanager
 def zero3_init(accelerator: Accelerator):
     """Around `from_pretrained`: DeepSpeed ZeRO-3's zero.Init only where the config's zero3_init_flag
@@ -429,6 +572,10 @@ def preflight(accelerator: Accelerator, flag: str | None, auto_reason: str | Non
     if refusals:
         raise InputError(" ".join(refusals))
     scaler_settings = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler else {}
+    deepspeed_fp16 = accelerator.distributed_type == DistributedType.DEEPSPEED and in_effect == "fp16"
+    # DeepSpeed fp16: its own loss scaler, set from the --fp16_* flags (accelerate would drop them).
+    plugin, handler = accelerator.state.deepspeed_plugin, accelerator.scaler_handler
+    loss_scaling = deepspeed_loss_scaling(plugin, handler) if deepspeed_fp16 else None
     if scaler_settings and in_effect != "fp16":
         warnings.append(
             f"The --fp16_* GradScaler flags ({', '.join(scaler_settings)}) have no effect: this run is not fp16."
@@ -437,6 +584,8 @@ def preflight(accelerator: Accelerator, flag: str | None, auto_reason: str | Non
     report.pop("precision_note", None)  # the preflight warning says it, with the fix
     if auto_reason:
         report["mixed_precision_auto_reason"] = auto_reason
+    if loss_scaling:
+        report["deepspeed_loss_scaling"] = loss_scaling
     report["preflight_warnings"] = warnings
     return report
 
@@ -463,4 +612,6 @@ def format_preflight(report: dict) -> str:
     ]
     if report.get("mixed_precision_auto_reason"):
         lines.append(f"  auto:       {report['mixed_precision_auto_reason']}")
+    if report.get("deepspeed_loss_scaling"):
+        lines.append(f"  loss scale: {describe_deepspeed_loss_scaling(report['deepspeed_loss_scaling'])}")
     return "\n".join(lines)

@@ -43,6 +43,8 @@ def read_squad_json(path: str) -> datasets.Dataset:
             squad = json.load(handle)
     except ValueError as error:
         raise InputError(f"{path} is not valid JSON ({error}).") from None
+    if isinstance(squad.get("data"), list) and squad["data"] and "question" in squad["data"][0]:
+        return flat_rows(squad["data"], path)
     rows = {"id": [], "title": [], "question": [], "context": [], "answers": []}
     where = "its 'data'"
     try:
@@ -70,6 +72,28 @@ def read_squad_json(path: str) -> datasets.Dataset:
     if not rows["id"]:
         raise InputError(f"{path} holds no questions.")
     return datasets.Dataset.from_dict(rows)
+
+
+def flat_rows(rows: list[dict], path: str) -> datasets.Dataset:
+    """{"version": ..., "data": [rows]}: the layout transformers' QA examples read
+    (`load_dataset("json", field="data")`), one row per question with the Hub squad's columns;
+    an unanswerable question's answers are empty lists."""
+    try:
+        table = {
+            "id": [str(row.get("id", i)) for i, row in enumerate(rows)],
+            "question": [row["question"] for row in rows],
+            "context": [row["context"] for row in rows],
+            "answers": [
+                {"text": list(row["answers"]["text"]), "answer_start": list(row["answers"]["answer_start"])}
+                for row in rows
+            ],
+        }
+    except (KeyError, TypeError) as error:
+        raise InputError(
+            f"{path}: a row of its 'data' has no {error} (rows need id, question, context and answers = "
+            '{"text": [...], "answer_start": [...]}).'
+        ) from None
+    return datasets.Dataset.from_dict(table)
 
 
 def read_file(path: str, columns: dict[str, str], unanswered=False) -> datasets.Dataset:
@@ -147,10 +171,11 @@ def check_rows(table: datasets.Dataset, path: str, version_2: bool, check_answer
 
 
 # ----------------------------------------------------------------------------- sources
-def load_hub(version_2: bool, name: str | None = None, cache_dir=None) -> QAData:
+def load_hub(version_2: bool, name: str | None = None, cache_dir=None, config: str | None = None) -> QAData:
     name = name or HUB_DATASETS[version_2]
     raw = load_hub_dataset(
         name,
+        *([config] if config else []),
         offline="Give --train_file and --validation_file (SQuAD-format JSON; the repository ships a "
         "SQuAD v1.1 sample in data/squad).",
         cache_dir=cache_dir,
@@ -189,6 +214,7 @@ def tokenize_windows(
     doc_stride: int,
     max_query_length: int,
     num_proc=None,
+    load_from_cache_file: bool = True,
 ) -> datasets.DatasetDict:
     """Each question with its context, question first, cut into windows of max_seq_length tokens
     that overlap by doc_stride (`truncation="only_second"`: only the context is cut). Questions
@@ -270,6 +296,7 @@ def tokenize_windows(
             with_indices=not training,
             remove_columns=split.column_names,
             num_proc=num_proc,
+            load_from_cache_file=load_from_cache_file,  # --overwrite_cache: tokenise again
             desc=f"Tokenizing {name}",
         )
     return windows

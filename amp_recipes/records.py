@@ -68,8 +68,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str | None:
 
 
 class RunRecord:
-    """The run's local record in `output_dir`: `log_history.jsonl` (one line per log or eval)
-    and `eval_results.json` (final metrics and run summary). Writes only on the main process."""
+    """The run's local record in `output_dir`: `run_config.json` (every setting), `log_history.jsonl`
+    (one line per log or eval) and `eval_results.json` (final metrics and run summary). Writes only
+    on the main process."""
 
     def __init__(self, output_dir: str | os.PathLike, enabled: bool, resume_step: int | None = None):
         self.output_dir = Path(output_dir)
@@ -94,6 +95,14 @@ class RunRecord:
     def write_results(self, results: dict) -> None:
         if self.enabled:
             write_json_atomic(self.output_dir / "eval_results.json", results)
+
+    def write_config(self, run_config: dict) -> None:
+        """run_config.json: every flag and run fact the trackers get (the Hub token left out)."""
+        if self.enabled:
+            # default=str: a value JSON has no type for (a Path, a dtype) is written as it prints
+            write_text_atomic(
+                self.output_dir / "run_config.json", json.dumps(run_config, indent=2, default=str)
+            )
 
 
 def init_trackers(accelerator, args, run_config: dict, tracker_run_id: str | None) -> None:

@@ -45,16 +45,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from . import checkpoint, hub, optim, outputs, records
+from . import checkpoint, errors, hub, migration, optim, outputs, records
 from .best import BestModel
 from .compiling import CompileMonitor
 from .errors import TrainingDiverged, lost_rank_message
 from .memory import gradient_checkpointing_on
 from .meters import ThroughputMeter, peak_memory_bytes
+from .peers import PeerWatch
 from .precision import log_fp8_report, log_preflight
 from .telemetry import ActivationMonitor, StepTelemetry
 
@@ -71,6 +73,11 @@ class TrainingRun:
         # --push_to_hub: the repo created now (main process), so a push that cannot work stops the run here.
         self.hub_repo = hub.create_repo(args) if accelerator.is_main_process else None
         self.output = outputs.claim_output_dir(accelerator, args)  # refuses a folder that holds a run
+        # Several processes: a rank that died or failed ends this one within seconds, with one
+        # sentence, also where this one waits in a collective that never completes (NCCL).
+        self.peers = PeerWatch.for_run(accelerator, args.ddp_timeout)
+        if self.peers is not None:
+            self.peers.start()
         set_seed(args.seed)
         self.checkpoints_dir = Path(args.output_dir) / "checkpoints"
         self.step, self.epoch, self.batches_in_epoch, self.results = 0, 0, 0, {}
@@ -80,6 +87,9 @@ class TrainingRun:
         self.nonfinite_at = None  # the first inf/NaN module found at this step, for the stop message
         self.best = None  # --metric_for_best_model: the best evaluation so far (amp_recipes.best)
         self.evaluated_step = None  # the step of the last evaluation (an epoch's end does not repeat it)
+        self.train_loss = (
+            None  # the mean training loss of the last epoch (eval_results.json, all_results.json)
+        )
         self.ended = False  # the trackers end with a finished or preempted run, not a failed one
 
     def __enter__(self) -> TrainingRun:
@@ -88,6 +98,9 @@ class TrainingRun:
     def __exit__(self, exc_type, exc, traceback) -> None:
         if self.progress is not None:
             self.progress.close()
+        if self.peers is not None:
+            self.peers.stop()
+        errors.mark_end(run_end(exc))  # the other ranks' watch must not take this exit for a death
         # The signals go back to whoever had them before training; not after a lost rank: the
         # launcher's SIGTERM to every process is on its way, and with the default handler back it
         # could end this one before one_sentence_errors prints the sentence that says what
@@ -121,8 +134,10 @@ class TrainingRun:
         config = self.plain_model.config
         model_shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"
         self.identity = {**identity, "model": model_shape, "seed": args.seed}
+        # A folder a transformers example wrote has no record of its position: `layout` places it.
+        layout = (schedule.steps_per_epoch, len(train_dataloader), accelerator.gradient_accumulation_steps)
         resumed = checkpoint.resume(
-            accelerator, args.resume_from_checkpoint, self.checkpoints_dir, self.identity
+            accelerator, args.resume_from_checkpoint, self.checkpoints_dir, self.identity, layout
         )
         self.resumed, self.step = resumed, resumed["global_step"]
         # The last evaluation's scores and step: a resumed run that evaluates no more reports them.
@@ -155,8 +170,10 @@ class TrainingRun:
         self.output.clear_previous_run(accelerator)  # --overwrite_output_dir: the old run's checkpoints go
         records.init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
         self.record = records.RunRecord(args.output_dir, accelerator.is_main_process, self.step or None)
-        logger.info(f"Run config: {run_config}")
+        self.record.write_config(run_config)  # run_config.json: every setting, as the trackers have them
+        logger.info(describe_run(args, self.precision, self.facts, schedule, self.step))
         self.meter = ThroughputMeter(accelerator.device)  # samples/s, tokens/s, padding
+        self.epoch_loss = torch.zeros(2, device=accelerator.device)  # this epoch's finite losses: sum, count
 
     def evaluate(self, epoch) -> dict:
         """Every eval split, logged; its time stays out of the throughput. With
@@ -220,6 +237,7 @@ class TrainingRun:
         """--eval_only: evaluate the model (or the resumed checkpoint), write the results, stop."""
         results = {**self.evaluate(self.resumed["log_epoch"]), **self.facts, **self.compiled.report()}
         results.update(self._predictions())  # --do_predict: the test examples' predictions, written
+        self._write_all_results(results)
         self.record.write_results({**results, "model_name_or_path": self.args.model_name_or_path})
         records.write_final_figures(self.accelerator, results, self.step)  # W&B run summary, TensorBoard
         self.ended = True
@@ -258,6 +276,8 @@ class TrainingRun:
         self.batches_in_epoch += 1
         self.telemetry.observe(loss, grad_norm)
         self.meter.update(batch)
+        finite = torch.isfinite(loss.detach()).float()
+        self.epoch_loss += torch.stack([loss.detach().float().nan_to_num() * finite, finite])
 
     def count_optimizer_step(self) -> None:
         """One more optimizer step (`run.step`), and the progress bar moves."""
@@ -350,6 +370,12 @@ class TrainingRun:
         padding = self.meter.epoch_padding_fraction(self.accelerator)  # --group_by_length lowers it
         logger.info(f"epoch {self.epoch + 1}: {padding:.1%} of the batches' tokens were padding")
         self._record({"epoch_padding_fraction": padding})
+        total, counted = self.accelerator.reduce(self.epoch_loss.clone(), reduction="sum").tolist()
+        if (
+            counted
+        ):  # the epoch's mean loss over every process's batches (an epoch resumed at its end has none)
+            self.train_loss = total / counted
+        self.epoch_loss.zero_()
         self.epoch, self.batches_in_epoch = self.epoch + 1, 0
         if self.evaluated_step != self.step:
             self.evaluate(self.epoch)
@@ -357,6 +383,12 @@ class TrainingRun:
             self.save_checkpoint()
 
     # ------------------------------------------------------------------ the end
+    def _write_all_results(self, summary: dict) -> None:
+        """all_results.json, as the transformers example the recipe stands in for writes it (its
+        keys; the numbers of eval_results.json), on the main process."""
+        if self.accelerator.is_main_process and getattr(self.args, "recipe_family", None):
+            migration.write_all_results(self.args.output_dir, migration.all_results(summary, self.args))
+
     def _predictions(self) -> dict:
         """--do_predict: the recipe's predict function writes the prediction files into
         --output_dir; their counts (`predict_*`) go into eval_results.json."""
@@ -396,6 +428,7 @@ class TrainingRun:
             **self.facts,
             "model_name_or_path": self.args.model_name_or_path,
             "train_steps": self.step,
+            "train_loss": self.train_loss,  # the last epoch's mean training loss
             **self.meter.run_rates(),  # training runtime, samples/s and tokens/s (evaluation left out)
             "peak_memory_bytes": peak_memory_bytes(accelerator.device),
             **self.telemetry.summary(),  # AMP: fp16 skipped steps and final loss scale; non-finite losses
@@ -426,12 +459,78 @@ class TrainingRun:
                 card = hub.model_card(self.plain_model, self.args, summary, self.identity, self.hub_repo)
                 card.save(folder / "README.md")
         summary.update(self._predictions())  # --do_predict: the final model's, on the test examples
+        if self.peers is not None:  # the run's last collective is behind it: what is left is this rank's own
+            self.peers.stop()
+        self._write_all_results(summary)  # the transformers example's all_results.json, same numbers
         self.record.write_results(summary)  # written last: its presence means the run finished
         records.write_final_figures(accelerator, summary, self.step)  # W&B run summary, TensorBoard
-        logger.info(f"Saved model and eval_results.json to {self.args.output_dir}: {summary}")
+        logger.info(
+            f"Saved model and eval_results.json to {self.args.output_dir}: {describe_results(summary)}"
+        )
         self.ended = True  # the run finished; an upload that fails says so and leaves it finished
         if self.hub_repo:
             logger.info(
                 f"Uploaded to {hub.push_to_hub(self.hub_repo, Path(self.args.output_dir), self.args)}"
             )
         return summary
+
+
+def run_end(exc: BaseException | None) -> str:
+    """How a run ends, for errors.mark_end: finished, stopped (a preemption's 143/130), lost
+    (another rank's loss failed a collective) or error."""
+    if exc is None or (isinstance(exc, SystemExit) and not exc.code):
+        return "finished"
+    if isinstance(exc, SystemExit) and exc.code in (130, 143):
+        return "stopped"
+    return "lost" if lost_rank_message(exc) else "error"
+
+
+ENGINES = {"NO": "one device", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP over gloo", "DEEPSPEED": "DeepSpeed"}
+
+
+def describe_run(args, precision: dict, facts: dict, schedule, resumed_at: int) -> str:
+    """The run in a few lines, for the console: what trains on what, in which precision, with which
+    batch, for how many steps, into which folder. Every setting is in run_config.json and the
+    trackers' config (a line of the whole would run to thousands of characters)."""
+    task = facts.get("task_name") or facts.get("objective") or "your data"
+    processes, accumulation = facts["num_processes"], args.gradient_accumulation_steps
+    epochs = f"{schedule.num_epochs} epoch{'s' * (schedule.num_epochs != 1)}"
+    start = f", from step {resumed_at}" if resumed_at else ""
+    # The scheduler counts a step once per process (outside DeepSpeed): in optimizer steps here.
+    warmup = schedule.warmup_steps // max(schedule.scheduler_steps // schedule.max_train_steps, 1)
+    lines = [
+        f"Run: {task}, {args.model_name_or_path}, {precision['precision_in_effect']} "
+        f"({ENGINES.get(facts['distributed_type'], facts['distributed_type'])}, "
+        f"{processes} process{'es' * (processes != 1)})"
+    ]
+    if args.eval_only:
+        lines.append("  evaluation only (--eval_only)")
+    else:
+        lines += [
+            f"  batch:  {args.per_device_train_batch_size} per process x {processes} x {accumulation} "
+            f"accumulated = {facts['total_train_batch_size']} examples per optimizer step",
+            f"  steps:  {schedule.max_train_steps} optimizer steps ({schedule.steps_per_epoch} per epoch, "
+            f"{epochs}){start}, learning rate {args.learning_rate:g} after {warmup} warm-up steps",
+        ]
+    lines.append(f"  output: {args.output_dir} (every setting in run_config.json)")
+    return "\n".join(lines)
+
+
+def describe_results(summary: dict) -> str:
+    """The end of a run in one line: its scores, steps, time, throughput and memory (every figure
+    is in eval_results.json)."""
+    scores = ", ".join(
+        f"{name} {value:.4g}"
+        for name, value in summary.items()
+        if name.startswith("eval_") and not name.endswith(hub.NOT_SCORES) and isinstance(value, (int, float))
+    )
+    parts = [scores or "no evaluation", f"{summary['train_steps']} steps"]
+    if summary.get("train_runtime_seconds") is not None:
+        parts.append(f"{summary['train_runtime_seconds']:.3g} s of training")
+    if summary.get("train_samples_per_second"):
+        parts.append(f"{summary['train_samples_per_second']:.1f} samples/s")
+    if summary.get("peak_memory_bytes"):
+        parts.append(f"peak memory {summary['peak_memory_bytes'] / 2**30:.2f} GiB")
+    if "skipped_steps" in summary:
+        parts.append(f"{summary['skipped_steps']} fp16 steps skipped, loss scale {summary['loss_scale']:g}")
+    return "; ".join(parts)

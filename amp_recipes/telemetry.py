@@ -100,16 +100,28 @@ class NonFiniteLocator:
 def locate_nonfinite(accelerator, model, batch, loss_scale: float | None) -> str:
     """Replay one batch with every module watched and say where it first became non-finite.
 
-    Used after a skipped fp16 step: costs one extra forward/backward, only on skipped steps.
-    The gradients it leaves behind are discarded (the step was skipped anyway).
+    Used after a skipped fp16 step: costs one extra forward/backward, only on skipped steps. It
+    only looks: its gradients are discarded and its dropout draws from a copy of the random state,
+    so the run trains on exactly as it would have without the replay.
 
     Under torch.compile the batch is replayed on the eager model (accelerate keeps it beside the
     compiled regions, with the same parameters and autocast): module hooks do not fire inside a
-    compiled region (dynamo skips hook guards), so the compiled model would name no module."""
+    compiled region (dynamo skips hook guards), so the compiled model would name no module.
+
+    The replay leaves no gradient behind on any engine. Under DDP its backward runs in `no_sync`
+    (no all-reduce) and zero_grad clears what it left. Not under FSDP2: there `no_sync` keeps the
+    unsharded gradients on FSDP's own parameters, out of zero_grad's reach, and the next step's
+    reduce-scatter would add them in; so the replay reduces as a training step does (every rank
+    replays: the skip was decided on gradients every rank shares) and zero_grad clears the shards."""
     eager = accelerator.unwrap_model(model, keep_torch_compile=False)
     replayed = eager if eager is not accelerator.unwrap_model(model) else model
-    with NonFiniteLocator(eager) as locator, accelerator.no_sync(model):
-        loss = replayed(**batch).loss
+    unsynced = contextlib.nullcontext() if accelerator.is_fsdp2 else accelerator.no_sync(model)
+    # fork_rng: the replay's dropout draws from a copy of the random state, so training goes on
+    # with the same random stream as a run that did not replay.
+    cuda_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices), NonFiniteLocator(eager) as locator, unsynced:
+        with accelerator.autocast():  # as the training step's forward (FSDP2 included)
+            loss = replayed(**batch).loss
         (loss * (loss_scale or 1.0)).backward()
     model.zero_grad(set_to_none=True)
     where = locator.first()

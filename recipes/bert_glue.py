@@ -29,6 +29,7 @@ from amp_recipes import (
     glue,
     memory,
     metrics,
+    migration,
     optim,
     precision,
     records,
@@ -85,16 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--ignore_mismatched_sizes", action="store_true", help="Start a new classifier head if sizes differ."
     )
     arguments.add_shared_args(parser, output_default="outputs/<task>")  # training, precision, output flags
+    migration.add_example_args(parser, "bert_glue")  # run_glue_no_trainer.py's flags: its commands run here
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.task_name and args.train_file:
-        parser.error("use either --task_name (GLUE) or --train_file/--validation_file (your data), not both.")
-    if not args.task_name and not (args.train_file and args.validation_file):
-        parser.error("give --task_name, or both --train_file and --validation_file.")
+    if sum(map(bool, (args.task_name, args.train_file, args.dataset_name))) > 1:
+        parser.error(
+            "use one of --task_name (GLUE), --train_file/--validation_file (your data) or --dataset_name."
+        )
+    if not (args.task_name or args.dataset_name or (args.train_file and args.validation_file)):
+        parser.error("give --task_name, both --train_file and --validation_file, or --dataset_name.")
     if args.test_file and not args.do_predict:
         parser.error("--test_file holds the examples --do_predict predicts: add --do_predict.")
     if args.task_name and args.test_file:
@@ -103,6 +107,7 @@ def parse_args(argv=None):
         parser.error("--do_predict with your own files needs --test_file, the examples to predict.")
     if args.task_name and args.text_columns:
         parser.error("--text_columns names the columns of --train_file; a GLUE task has its own.")
+    migration.apply_example_args(parser, args, argv, "bert_glue")  # aliases, refusals, --hf_example_defaults
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     at_least_1 = (lambda v: v >= 1, "at least 1")
     arguments.check_ranges(
@@ -116,10 +121,14 @@ def parse_args(argv=None):
 def load_data(args, tokenizer, accelerator):
     """The task (GLUE or your files) and its DataLoaders. Edit this function for other data."""
     with accelerator.main_process_first():  # the main process loads and tokenises, the others read its cache
+        text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
         if args.task_name:
             task = glue.load_glue(args.task_name, args.data_dir)
+        elif args.dataset_name:  # a Hub dataset, read as your own files are
+            task = glue.load_named_dataset(
+                args.dataset_name, args.dataset_config_name, text_columns, args.label_column, args.label_type
+            )
         else:
-            text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
             task = glue.load_user_files(
                 args.train_file,
                 args.validation_file,
@@ -134,8 +143,9 @@ def load_data(args, tokenizer, accelerator):
         # --do_predict: the GLUE task's test split(s) or --test_file, texts only.
         tests = glue.load_test_splits(task, args.data_dir, args.test_file) if args.do_predict else {}
         tests = glue.tokenize_splits(task, tokenizer, args.max_seq_length, splits=tests) if tests else {}
+    pad_to = args.max_seq_length if args.pad_to_max_length else None  # --pad_to_max_length: one length
     # AMP: fp16/bf16 batches are padded to a multiple of 8, the shapes Tensor Cores run fastest.
-    collator = glue.make_collator(tokenizer, accelerator.mixed_precision)
+    collator = glue.make_collator(tokenizer, accelerator.mixed_precision, pad_to)
     loader_kwargs = batches.loader_settings(accelerator, collator, args.dataloader_num_workers)
     batch_size = args.per_device_train_batch_size
     sampler = batches.train_sampler(tokenized["train"], batch_size, args.group_by_length, args.seed)
@@ -174,6 +184,7 @@ def load_model(args, config, task):
             args.model_name_or_path,
             config=config,
             ignore_mismatched_sizes=args.ignore_mismatched_sizes,
+            trust_remote_code=args.trust_remote_code,  # a model's own code runs only when you ask
             dtype=torch.float32,  # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts
         )
 
@@ -253,6 +264,7 @@ def main(argv=None):
             *precision.fp8_recipe_kwargs(mixed_precision, args.fp8_backend),  # refused where fp8 cannot run
             InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout)),  # a hung rank ends the run
         ],
+        fsdp_plugin=precision.fsdp_plugin(mixed_precision),  # AMP: FSDP2: outputs not cast back to 16 bits
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # --torch_compile: one graph for every padded length, the repeated layer compiled once.
         dynamo_plugin=compiling.dynamo_plugin(args),
@@ -270,8 +282,12 @@ def main(argv=None):
     with TrainingRun(accelerator, args, in_effect) as run:
         # --------------------------------------------------------------------- data
         with errors.model_load_errors(args.model_name_or_path):
-            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-            config = AutoConfig.from_pretrained(args.model_name_or_path)
+            config = AutoConfig.from_pretrained(
+                args.config_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
+            )
+            tokenizer = AutoTokenizer.from_pretrained(
+                args.tokenizer_name or args.model_name_or_path, **migration.tokenizer_kwargs(args)
+            )
         task, train_dataloader, eval_dataloaders, test_dataloaders = load_data(args, tokenizer, accelerator)
 
         # --------------------------------------------------------------------- model
@@ -296,6 +312,8 @@ def main(argv=None):
         model, optimizer, train_dataloader, lr_scheduler, *eval_loaders = accelerator.prepare(
             model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders.values()
         )
+        # AMP: under FSDP2 prepare() casts the weights instead; this puts its forward under autocast too.
+        precision.autocast_fsdp2_forward(accelerator, model)
         # AMP: prepare() may swap Linear layers for fp8 ones: which ones, and their FLOP share.
         in_effect.update(precision.fp8_layer_report(accelerator, model, args.max_seq_length))
         optim.check_every_parameter_trains(accelerator, model, optimizer)  # AMP: none of them left untrained

@@ -21,9 +21,9 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, InitProcessGroupKwargs
 from torch.utils.data import DataLoader
-from transformers import AutoModelForMaskedLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer, get_scheduler
 
-from amp_recipes import arguments, batches, compiling, errors, memory, mlm, optim, precision
+from amp_recipes import arguments, batches, compiling, errors, memory, migration, mlm, optim, precision
 from amp_recipes.run import TrainingRun
 
 logger = get_logger(__name__)
@@ -34,9 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     # argparse's parser; under a multi-process launch its error is printed once, not once per rank.
     parser = arguments.ArgumentParser(description=__doc__.splitlines()[0])
     data = parser.add_argument_group("data")
-    data.add_argument(
-        "--train_file", required=True, help="Your text: .txt (one per line), .csv, .tsv, .json, .jsonl."
-    )
+    data.add_argument("--train_file", help="Your text: .txt (one per line), .csv, .tsv, .json, .jsonl.")
     data.add_argument(
         "--validation_file", help="Held-out text, same format (default: a split of --train_file)."
     )
@@ -53,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
     arguments.add_shared_args(parser, output_default="outputs/mlm")
+    migration.add_example_args(parser, "bert_mlm")  # run_mlm_no_trainer.py's flags: its commands run here
     parser.set_defaults(learning_rate=5e-5, per_device_train_batch_size=32, num_train_epochs=1)
     return parser
 
@@ -60,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if bool(args.train_file) == bool(args.dataset_name):
+        parser.error("give --train_file (your text) or --dataset_name (a Hub dataset of text), one of them.")
+    migration.apply_example_args(parser, args, argv, "bert_mlm")  # aliases, refusals, --hf_example_defaults
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     ranges = {
         "max_seq_length": (lambda v: v >= 8, "at least 8"),
@@ -78,16 +80,30 @@ def parse_args(argv=None):
 def load_data(args, tokenizer, accelerator):
     """Blocks of --max_seq_length tokens from your texts, and their DataLoaders."""
     with accelerator.main_process_first():  # the main process loads and tokenises, the others read its cache
-        splits = mlm.load_text_files(
-            args.train_file,
-            args.validation_file,
-            args.text_column,
-            args.validation_split_percentage,
-            args.seed,
-        )
-        blocks = mlm.tokenize_and_group(
-            splits, tokenizer, args.max_seq_length, args.preprocessing_num_workers
-        )
+        if args.dataset_name:  # a Hub dataset of text
+            splits = mlm.load_named_dataset(
+                args.dataset_name,
+                args.dataset_config_name,
+                args.text_column,
+                args.validation_split_percentage,
+                args.seed,
+            )
+        else:
+            splits = mlm.load_text_files(
+                args.train_file,
+                args.validation_file,
+                args.text_column,
+                args.validation_split_percentage,
+                args.seed,
+            )
+        args.max_seq_length = migration.max_seq_length(args, tokenizer)  # unset: the model's, at most 1024
+        workers, from_cache = args.preprocessing_num_workers, not args.overwrite_cache
+        if args.line_by_line:  # one sequence per line (padded to --max_seq_length with --pad_to_max_length)
+            blocks = mlm.tokenize_lines(
+                splits, tokenizer, args.max_seq_length, workers, args.pad_to_max_length, from_cache
+            )
+        else:  # the texts concatenated and cut into blocks: no padding at all
+            blocks = mlm.tokenize_and_group(splits, tokenizer, args.max_seq_length, workers, from_cache)
     # Masks BERT-style (80% [MASK], 10% random, 10% kept) as batches are built, drawn from the seed
     # and each batch's tokens: a resumed run masks every batch as an uninterrupted one does.
     # AMP: fp16/bf16 batches (a last, shorter block) are padded to a multiple of 8, for Tensor Cores.
@@ -121,8 +137,13 @@ def load_data(args, tokenizer, accelerator):
 def load_model(args):
     """The pretrained encoder with its masked-LM head (the pretraining objective's, weights and all)."""
     with errors.model_load_errors(args.model_name_or_path):
+        config = AutoConfig.from_pretrained(
+            args.config_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
+        )
         return AutoModelForMaskedLM.from_pretrained(
             args.model_name_or_path,
+            config=config,
+            trust_remote_code=args.trust_remote_code,  # a model's own code runs only when you ask
             dtype=torch.float32,  # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts
         )
 
@@ -174,6 +195,7 @@ def main(argv=None):
             *precision.fp8_recipe_kwargs(mixed_precision, args.fp8_backend),  # refused where fp8 cannot run
             InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout)),  # a hung rank ends the run
         ],
+        fsdp_plugin=precision.fsdp_plugin(mixed_precision),  # AMP: FSDP2: outputs not cast back to 16 bits
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # --torch_compile: one graph for every padded length, the repeated layer compiled once.
         dynamo_plugin=compiling.dynamo_plugin(args),
@@ -191,7 +213,9 @@ def main(argv=None):
     with TrainingRun(accelerator, args, in_effect) as run:
         # --------------------------------------------------------------------- data
         with errors.model_load_errors(args.model_name_or_path):
-            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(
+                args.tokenizer_name or args.model_name_or_path, **migration.tokenizer_kwargs(args)
+            )
         train_dataloader, eval_dataloader = load_data(args, tokenizer, accelerator)
 
         # --------------------------------------------------------------------- model
@@ -216,6 +240,8 @@ def main(argv=None):
         model, optimizer, train_dataloader, lr_scheduler, eval_dataloader = accelerator.prepare(
             model, optimizer, train_dataloader, lr_scheduler, eval_dataloader
         )
+        # AMP: under FSDP2 prepare() casts the weights instead; this puts its forward under autocast too.
+        precision.autocast_fsdp2_forward(accelerator, model)
         # AMP: prepare() may swap Linear layers for fp8 ones: which ones, and their FLOP share.
         in_effect.update(precision.fp8_layer_report(accelerator, model, args.max_seq_length))
         optim.check_every_parameter_trains(accelerator, model, optimizer)  # AMP: none of them left untrained

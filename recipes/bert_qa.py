@@ -29,7 +29,18 @@ from transformers import (
     get_scheduler,
 )
 
-from amp_recipes import arguments, batches, compiling, errors, memory, metrics, optim, precision, qa
+from amp_recipes import (
+    arguments,
+    batches,
+    compiling,
+    errors,
+    memory,
+    metrics,
+    migration,
+    optim,
+    precision,
+    qa,
+)
 from amp_recipes.run import TrainingRun
 
 logger = get_logger(__name__)
@@ -86,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
     arguments.add_shared_args(parser, output_default="outputs/qa")  # training, precision, output flags
+    migration.add_example_args(parser, "bert_qa")  # run_qa_no_trainer.py's flags: its commands run here
     return parser
 
 
@@ -96,9 +108,11 @@ def parse_args(argv=None):
         parser.error("give both --train_file and --validation_file (or neither: the Hub's SQuAD).")
     if bool(args.test_file) != args.do_predict:  # SQuAD has no test split on the Hub
         parser.error("--do_predict answers the questions of --test_file: give both, or neither.")
+    migration.apply_example_args(parser, args, argv, "bert_qa")  # aliases, refusals, --hf_example_defaults
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     at_least_1 = (lambda v: v >= 1, "at least 1")
     limits = ["max_seq_length", "doc_stride", "max_query_length", "max_train_samples", "max_eval_samples"]
+    limits.append("max_predict_samples")
     ranges = dict.fromkeys([*limits, "n_best_size", "max_answer_length"], at_least_1)
     ranges["null_score_diff_threshold"] = (math.isfinite, "a finite number")
     arguments.check_ranges(parser, args, ranges)
@@ -119,11 +133,14 @@ def load_data(args, tokenizer, accelerator):
             columns = columns_of(args)
             task = qa.load_files(args.train_file, args.validation_file, columns, args.version_2_with_negative)
         else:
-            task = qa.load_hub(args.version_2_with_negative, args.dataset_name)
+            task = qa.load_hub(
+                args.version_2_with_negative, args.dataset_name, config=args.dataset_config_name
+            )
         task.splits["train"] = batches.first_rows(task.splits["train"], args.max_train_samples)
         task.splits["validation"] = batches.first_rows(task.splits["validation"], args.max_eval_samples)
-        if args.do_predict:  # the questions to answer
-            task.splits["test"] = qa.load_test(args.test_file, columns_of(args))
+        if args.do_predict:  # the questions to answer (--max_predict_samples: the first N)
+            test = qa.load_test(args.test_file, columns_of(args))
+            task.splits["test"] = batches.first_rows(test, args.max_predict_samples)
         windows = qa.tokenize_windows(
             task.splits,
             tokenizer,
@@ -131,13 +148,17 @@ def load_data(args, tokenizer, accelerator):
             args.doc_stride,
             args.max_query_length,
             args.preprocessing_num_workers,
+            load_from_cache_file=not args.overwrite_cache,
         )
     # Evaluation maps each window's logits back to its question's context: kept aside, not batched.
     examples = task.splits["validation"]
     windows["validation"], eval_windows = qa.set_aside(windows["validation"])
     # AMP: fp16/bf16 batches are padded to a multiple of 8, the shapes Tensor Cores run fastest.
     collator = DataCollatorWithPadding(
-        tokenizer, pad_to_multiple_of=batches.pad_multiple(accelerator.mixed_precision)
+        tokenizer,
+        pad_to_multiple_of=batches.pad_multiple(accelerator.mixed_precision),
+        # --pad_to_max_length: every batch --max_seq_length long
+        **({"padding": "max_length", "max_length": args.max_seq_length} if args.pad_to_max_length else {}),
     )
     loader_kwargs = batches.loader_settings(accelerator, collator, args.dataloader_num_workers)
     batch_size = args.per_device_train_batch_size
@@ -177,6 +198,7 @@ def load_model(args, config):
         return AutoModelForQuestionAnswering.from_pretrained(
             args.model_name_or_path,
             config=config,
+            trust_remote_code=args.trust_remote_code,  # a model's own code runs only when you ask
             dtype=torch.float32,  # AMP: fp32 master weights whatever the checkpoint's dtype; autocast casts
         )
 
@@ -255,6 +277,7 @@ def main(argv=None):
             *precision.fp8_recipe_kwargs(mixed_precision, args.fp8_backend),  # refused where fp8 cannot run
             InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout)),  # a hung rank ends the run
         ],
+        fsdp_plugin=precision.fsdp_plugin(mixed_precision),  # AMP: FSDP2: outputs not cast back to 16 bits
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # --torch_compile: one graph for every padded length, the repeated layer compiled once.
         dynamo_plugin=compiling.dynamo_plugin(args),
@@ -272,8 +295,12 @@ def main(argv=None):
     with TrainingRun(accelerator, args, in_effect) as run:
         # --------------------------------------------------------------------- data
         with errors.model_load_errors(args.model_name_or_path):
-            config = AutoConfig.from_pretrained(args.model_name_or_path)
-            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+            config = AutoConfig.from_pretrained(
+                args.config_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
+            )
+            tokenizer = AutoTokenizer.from_pretrained(
+                args.tokenizer_name or args.model_name_or_path, **migration.tokenizer_kwargs(args)
+            )
         task, train_dataloader, eval_dataloader, gold, test = load_data(args, tokenizer, accelerator)
 
         # --------------------------------------------------------------------- model
@@ -298,6 +325,8 @@ def main(argv=None):
         model, optimizer, train_dataloader, lr_scheduler, eval_dataloader = accelerator.prepare(
             model, optimizer, train_dataloader, lr_scheduler, eval_dataloader
         )
+        # AMP: under FSDP2 prepare() casts the weights instead; this puts its forward under autocast too.
+        precision.autocast_fsdp2_forward(accelerator, model)
         # AMP: prepare() may swap Linear layers for fp8 ones: which ones, and their FLOP share.
         in_effect.update(precision.fp8_layer_report(accelerator, model, args.max_seq_length))
         optim.check_every_parameter_trains(accelerator, model, optimizer)  # AMP: none of them left untrained

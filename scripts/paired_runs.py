@@ -82,6 +82,10 @@ OWNED = [
     "eval_only",
 ]
 HEADROOM_HEAD = {"bert_glue": "sequence", "bert_ner": "token", "bert_qa": "qa"}  # benchmark --head
+# --headroom's default bound. MiniLM-L6 at sequence length 128 (fp32 and bf16, 6 GiB cap) took
+# 935 s without one on a 2-core CPU, 525 s with this one (docs/paired-runs.md); a GPU's trials take
+# seconds.
+HEADROOM_BUDGET_S = 600.0
 NOT_METRICS = ("_samples", "_runtime")  # eval_samples(_mm) is a count, not a score
 
 
@@ -118,6 +122,13 @@ def parse_args(argv=None):
         "model, --max_seq_length, the recipe's head).",
     )
     parser.add_argument("--memory_budget_gb", type=float, help="Cap for --headroom (required on a CPU).")
+    parser.add_argument(
+        "--headroom_budget_s",
+        type=float,
+        default=HEADROOM_BUDGET_S,
+        help=f"Seconds --headroom may take in all (default {HEADROOM_BUDGET_S:.0f}), each arm an equal share: "
+        "a search cut there reports its largest fit as a lower bound (≥N) and no headroom ratio.",
+    )
     parser.add_argument(
         "--headroom_head",
         choices=["sequence", "token", "qa"],
@@ -745,11 +756,24 @@ def measure_headroom(args) -> dict:
         ]
         if args.memory_budget_gb:
             command += ["--memory_budget_gb", str(args.memory_budget_gb)]
-        print(f"[headroom] {shlex.join(command)}", flush=True)
+        command += ["--time_limit_s", str(args.headroom_budget_s)]
+        print(
+            f"[headroom] each arm's timed steps, then its largest batch (a line per trial), in at most "
+            f"{args.headroom_budget_s:.0f} s (--headroom_budget_s): {shlex.join(command)}",
+            flush=True,
+        )
         if subprocess.run(command).returncode != 0:
             return {"note": f"the benchmark failed (command above); rerun it by hand: {shlex.join(command)}"}
     bench = json.loads(results_file.read_text())
     arms = {arm: bench["arms"].get(arm, {}) for arm in args.arms}
+    cut = [arm for arm, r in arms.items() if r.get("search_stopped") or r.get("not_run")]
+    stopped = (
+        f"the search stopped at its bound ({bench['config'].get('time_limit_s'):.0f} s, --headroom_budget_s) "
+        f"for {', '.join(cut)}: a ≥ batch is the largest that fitted before it, a lower bound; rerun with a "
+        f"larger --headroom_budget_s (delete {folder} first) for the whole search"
+        if cut and bench["config"].get("time_limit_s")
+        else None
+    )
     return {
         "max_batch_size": {arm: r.get("max_batch_size") for arm, r in arms.items()},
         "capped_at_search_max": {arm: bool(r.get("capped_at_search_max")) for arm, r in arms.items()},
@@ -761,6 +785,7 @@ def measure_headroom(args) -> dict:
         },
         "memory_budget_gb": bench["config"].get("memory_budget_gb"),  # the search's cap, as it ran
         "note": bench.get("search_note")
+        or stopped
         or f"largest batch at {bench['config']['seq_len']} tokens, {head} head, from {results_file}",
         "results": str(results_file),
     }

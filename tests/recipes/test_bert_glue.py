@@ -115,6 +115,33 @@ def test_wandb_offline_run_has_the_config_and_metrics(tiny_mrpc_run):
     assert summary["precision_in_effect"] == "fp32" and summary["eval_f1"] == results["eval_f1"]
 
 
+def test_the_console_says_the_run_in_a_few_lines_and_run_config_json_holds_every_setting(tiny_mrpc_run):
+    """The start of a run: task, model, precision, batch, steps and output folder in four short
+    lines, not the whole config as one line of thousands of characters; that goes to
+    run_config.json and the trackers (the same settings, the Hub token left out)."""
+    result, output_dir, tmp_path = tiny_mrpc_run
+    logged = [line for line in result.stderr.splitlines() if " INFO " in line or line.startswith("  ")]
+    assert max(map(len, logged)) < 300, max(logged, key=len)
+    start = result.stderr[result.stderr.index("INFO amp_recipes.run: [RANK 0] Run: ") :].splitlines()[:4]
+    assert start[0].endswith(f"Run: mrpc, {TINY_BERT}, fp32 (one device, 1 process)")
+    assert start[1:] == [
+        "  batch:  8 per process x 1 x 2 accumulated = 16 examples per optimizer step",
+        "  steps:  12 optimizer steps (6 per epoch, 2 epochs), learning rate 0.001 after 1 warm-up steps",
+        f"  output: {output_dir} (every setting in run_config.json)",
+    ]
+    run_config = json.loads((output_dir / "run_config.json").read_text())
+    parser = load_module(RECIPES / "bert_glue.py", "glue_for_config").build_parser()
+    flags = {action.dest for action in parser._actions if action.option_strings and action.dest != "help"}
+    assert flags <= set(run_config) and run_config["hub_token"] is None
+    assert (run_config["precision_in_effect"], run_config["total_train_batch_size"]) == ("fp32", 16)
+    _, tracked, _ = offline_run(tmp_path)
+    plain = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in run_config.items()}
+    assert {k: tracked[k] for k in plain} == plain  # W&B's config: the same settings
+    end = next(line for line in result.stderr.splitlines() if "Saved model and eval_results.json" in line)
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    assert f"eval_f1 {results['eval_f1']:.4g}" in end and "12 steps" in end and len(end) < 300
+
+
 def test_plain_python_with_fp16_on_cpu_says_it_ran_fp32(tmp_path):
     output_dir = tmp_path / "out"
     result = run(

@@ -22,6 +22,9 @@ from conftest import (
 )
 
 from amp_recipes import checkpoint
+from amp_recipes.metrics import load_metric
+from amp_recipes.ner import read_file
+from amp_recipes.run import describe_results
 
 CONLL = REPO / "data" / "conll2003"
 FILES = ["--train_file", CONLL / "train.txt", "--validation_file", CONLL / "valid.txt"]
@@ -169,6 +172,13 @@ def test_pretrained_minilm_learns_conll_entities(ner, tmp_path):
     assert results["train_steps"] == 96 and results["eval_samples"] == 262
     assert results["eval_f1"] > 0.55, results["eval_f1"]
     assert results["eval_accuracy"] > 0.88, results["eval_accuracy"]
+    # The weak-metric trap: tagging every word O scores a high word accuracy on the same sentences
+    # and no entity at all; the run's log line (and eval_results.json) lead with entity F1.
+    gold = read_file(str(CONLL / "valid.txt"))["tags"]
+    every_word_o = load_metric("seqeval").compute(predictions=[["O"] * len(t) for t in gold], references=gold)
+    assert every_word_o["accuracy"] > 0.75 and every_word_o["f1"] == 0.0, every_word_o
+    assert describe_results(results).startswith(f"eval_f1 {results['eval_f1']:.4g}, ")
+    assert next(k for k in results if k.startswith("eval_")) == "eval_f1"
     assert results["eval_PER_f1"] > 0.7 and (results["eval_PER_number"], results["eval_LOC_number"]) == (
         126,
         144,

@@ -331,3 +331,60 @@ def test_a_hung_rank_ends_the_run_after_the_ddp_timeout(tmp_path):
     wait_gone(tmp_path, timeout=10)
     assert_checkpoints_intact(output_dir / "checkpoints", at_least=10)
     assert not (output_dir / LOCK).exists()  # rank 0 ended in order and released it
+
+
+# ----------------------------------------------------------------------------- a collective that never ends
+BLOCKED = REPO / "tests" / "recipes" / "blocked_in_a_collective.py"
+
+
+@pytest.mark.parametrize("peer_end", ["sigkill", "error"])
+def test_a_rank_waiting_for_a_dead_peer_ends_within_seconds_with_one_sentence(peer_end, tmp_path):
+    """Rank 0 waits at step 7 in a call that never returns, as NCCL's collectives wait for a peer
+    that is gone (gloo's fail at once instead), and rank 1 ends there: killed (SIGKILL), or with an
+    error of its own. The launcher's SIGTERM reaches rank 0, whose handler can only note it; its peer
+    watch (amp_recipes.peers) ends it within seconds, with one sentence, and writes no checkpoint
+    of the step it was blocked in. Without the watch the launcher's SIGKILL ends rank 0
+    LAUNCHER_GRACE_S later, silently, its lock left behind."""
+    output_dir = tmp_path / "out"
+    launch = accelerate_launch(*two_processes(free_port()), BLOCKED, *TRAINING, "--output_dir", output_dir)
+    report = tmp_path / "peer-ended-at"
+    blocked = {
+        "BLOCK_RANK": "0",
+        "PEER_RANK": "1",
+        "BLOCK_STEP": "7",
+        "PEER_END": peer_end,
+        "BLOCK_REPORT": report,
+    }
+    process = start(launch, tmp_path, **blocked)
+    output, _ = process.communicate(timeout=300)
+    ended_after = time.time() - float(report.read_text())
+    print(f"the launch ended {ended_after:.1f} s after rank 1 ended ({peer_end})")
+    wait_gone(tmp_path, timeout=10)
+    assert process.returncode != 0, output[-3000:]
+    assert ended_after < LAUNCHER_GRACE_S / 2, output[-3000:]
+    died = "error: rank 1 of 2 (pid "
+    failed = "error: another of the 2 ranks failed with an error of its own"
+    assert output.count(died if peer_end == "sigkill" else failed) == 1, output[-3000:]
+    assert (failed if peer_end == "sigkill" else died) not in output
+    assert assert_checkpoints_intact(output_dir / "checkpoints", at_least=5) == "checkpoint-5"
+    assert not (output_dir / LOCK).exists()  # released by the watch before it ended rank 0
+    if peer_end == "sigkill":
+        assert "ended without an error of its own" in output, output[-3000:]
+
+
+LINGERS = REPO / "tests" / "recipes" / "rank0_lingers.py"
+
+
+def test_a_rank_still_working_after_its_peer_finished_is_not_told_the_peer_died(tmp_path):
+    """Rank 1 finishes and its process ends while rank 0, past the last collective, still works
+    with its peer watch running: rank 1 said it finished, so the watch lets rank 0 end its run."""
+    output_dir = tmp_path / "out"
+    report = tmp_path / "lingered"
+    launch = accelerate_launch(*two_processes(free_port()), LINGERS, *TRAINING, "--output_dir", output_dir)
+    process = start(launch, tmp_path, LINGER_REPORT=report)
+    output, _ = process.communicate(timeout=300)
+    wait_gone(tmp_path, timeout=10)
+    assert process.returncode == 0, output[-3000:]
+    assert report.read_text() == "rank 1 gone: True; watch running: True"
+    assert "error:" not in output, output[-3000:]
+    assert (output_dir / "eval_results.json").is_file()

@@ -190,7 +190,7 @@ def test_a_time_limit_stops_the_search_with_a_lower_bound_and_skips_later_arms(m
         return {"arm": arm, "batch_size": batch_size, "fits": True, "peak_memory_bytes": batch_size, **timed}
 
     monkeypatch.setattr(script, "spawn", fake_spawn)
-    monkeypatch.setattr(script, "out_of_time", lambda args: len(tried) >= 3)  # time runs out after 3 trials
+    monkeypatch.setattr(script, "out_of_time", lambda *_: len(tried) >= 3)  # out after 3 trials
     args = script.parse_args(["--search_start", "64", "--search_max", "4096", "--time_limit_s", "1"])
     found = script.search_max_batch(args, "fp32", tmp_path)
     assert found["max_batch_size"] == 256 and found["capped_at_search_max"]  # 64, 128, 256 fitted
@@ -198,11 +198,47 @@ def test_a_time_limit_stops_the_search_with_a_lower_bound_and_skips_later_arms(m
 
     tried.clear()
     args = script.parse_args(["--arms", "fp32,bf16", "--no_search", "--time_limit_s", "1"])
-    monkeypatch.setattr(script, "out_of_time", lambda args: len(tried) >= 1)
+    monkeypatch.setattr(script, "out_of_time", lambda *_: len(tried) >= 1)
     hardware = {"device_type": "cpu", "device_name": "cpu"}
     results = script.run_arms(args, hardware, tmp_path, None)
     assert results["bf16"] == {"arm": "bf16", "batch_size": 32, "fits": False, "not_run": "time limit"}
     assert "| bf16 | — | not run: time limit |" in script.markdown_table({"bf16": results["bf16"]})
+
+
+def test_each_arms_search_gets_its_share_of_the_time_and_says_how_it_goes(monkeypatch, tmp_path, capsys):
+    """--time_limit_s 100 over two arms whose trials all fit and take 10 s each (a clock of the
+    script's own, moved by the trials): fp32 gets half the time (its timed steps, then a search of
+    40 s), bf16 the other half; each search ends on a lower bound, and every trial prints the batch,
+    whether it fit, and the search's time against its bound. Before, fp32's search took all of it
+    and bf16 was not run."""
+    script = load_module(SCRIPT)
+
+    class Clock:
+        now = 0.0
+
+        def monotonic(self):
+            return self.now
+
+    clock = Clock()
+    args = script.parse_args(["--arms", "fp32,bf16", "--search_start", "8", "--time_limit_s", "100"])
+    monkeypatch.setattr(script, "time", clock)
+    args.started = 0.0
+
+    def fake_spawn(args, arm, batch_size, warmup_steps, timed_steps, work_dir):
+        clock.now += 10
+        args.longest_trial_s = 10.0
+        timed = {"flops_per_step": 1e9, "median_step_seconds": 0.1, "precision_in_effect": arm}
+        return {"arm": arm, "batch_size": batch_size, "fits": True, "peak_memory_bytes": 2**30, **timed}
+
+    monkeypatch.setattr(script, "spawn", fake_spawn)
+    results = script.run_arms(args, {"device_type": "cpu", "device_name": "cpu"}, tmp_path, None)
+    searched = {arm: [trial["batch_size"] for trial in results[arm]["trials"]] for arm in results}
+    assert searched == {"fp32": [8, 16, 32, 64], "bf16": [8, 16, 32, 64]}
+    assert all(results[arm]["search_stopped"] == "time limit" for arm in results)
+    assert (results["fp32"]["max_batch_size"], results["bf16"]["max_batch_size"]) == (64, 64)
+    printed = capsys.readouterr().out
+    assert "[fp32] batch 8: fits, peak 1.00 GiB (10.0 s; search 10 s of 40 s)" in printed
+    assert "[bf16] batch 64: fits, peak 1.00 GiB (10.0 s; search 40 s of 40 s)" in printed
 
 
 def test_fp16_on_cpu_is_not_reduced_precision_and_gets_no_ratio(benchmark):

@@ -609,6 +609,7 @@ def test_headroom_comes_from_the_benchmark_search(tmp_path, monkeypatch):
     flags = dict(zip(command[2::2], command[3::2], strict=False))
     assert flags["--arms"] == "fp32,bf16" and flags["--head"] == "sequence" and flags["--seq_len"] == "64"
     assert flags["--model_name_or_path"] == str(TINY_BERT) and flags["--memory_budget_gb"] == "1.25"
+    assert flags["--time_limit_s"] == str(paired.HEADROOM_BUDGET_S)  # --headroom_budget_s's default bound
     bench = json.loads((tmp_path / "headroom" / "results.json").read_text())
     assert [trial["batch_size"] for trial in bench["arms"]["bf16"]["trials"]] == [256, 512]
     assert headroom["max_batch_size"] == {"fp32": 512, "bf16": 512}
@@ -627,6 +628,36 @@ def test_headroom_comes_from_the_benchmark_search(tmp_path, monkeypatch):
     headroom["capped_at_search_max"] = {"fp32": False, "bf16": False}
     text = paired.markdown(paired.compare(fake_args(["fp32", "bf16"], [1]), runs), headroom)
     assert "| 256 |" in text and "| 512 |" in text and "batch headroom 2.00x" in text
+
+
+def test_a_headroom_search_cut_by_its_bound_reports_a_lower_bound(tmp_path):
+    """--headroom_budget_s: the benchmark stops bf16's search there; the report gives its largest fit
+    as a lower bound, no ratio, and says why and what to do."""
+    args = paired.parse_args(
+        ["--arms", "fp32,bf16", "--output_dir", str(tmp_path), "--headroom", "--memory_budget_gb", "6"]
+        + ["--headroom_budget_s", "90"]
+        + glue_flags()
+    )
+    assert args.headroom_budget_s == 90.0
+    (tmp_path / "headroom").mkdir()
+    bench = {
+        "config": {"seq_len": 128, "memory_budget_gb": 6.0, "time_limit_s": 90.0},
+        "arms": {
+            "fp32": {"max_batch_size": 256, "first_batch_not_fitting": 288, "capped_at_search_max": False},
+            "bf16": {"max_batch_size": 256, "capped_at_search_max": True, "search_stopped": "time limit"},
+        },
+    }
+    (tmp_path / "headroom" / "results.json").write_text(json.dumps(bench))
+    headroom = paired.measure_headroom(args)
+    assert headroom["max_batch_size"] == {"fp32": 256, "bf16": 256} and headroom["headroom"] == {"bf16": None}
+    assert headroom["note"].startswith("the search stopped at its bound (90 s, --headroom_budget_s) for bf16")
+    runs = []
+    for arm in ("fp32", "bf16"):
+        write_run(tmp_path / arm, **figures(0.8, 10.0, 4e9, arm))
+        runs.append({"arm": arm, "seed": 1, "run_dir": str(tmp_path / arm), "status": "finished"})
+    text = paired.markdown(paired.compare(fake_args(["fp32", "bf16"], [1]), runs), headroom)
+    assert " | 256 |" in text and " | ≥256 |" in text and "batch headroom" not in text
+    assert "Batch headroom: the search stopped at its bound (90 s" in text
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -354,12 +354,24 @@ def test_user_validation_label_unseen_in_training(tmp_path):
         load_user_files(str(tmp_path / "train.csv"), str(tmp_path / "dev.csv"))
 
 
+def test_user_file_columns_other_than_the_known_names(tmp_path):
+    """As transformers' run_glue_no_trainer.py reads a file: the first two columns other than the
+    label are a pair, one column is a single text; only the label alone has no text."""
+    write_user_file(tmp_path / "one.csv", [{"body": "x", "label": 1}, {"body": "y", "label": 0}])
+    assert load_user_files(str(tmp_path / "one.csv"), str(tmp_path / "one.csv")).text_columns == ("body",)
+    rows = [{"a": "x", "b": "y", "c": "z", "label": 1}, {"a": "y", "b": "x", "c": "z", "label": 0}]
+    write_user_file(tmp_path / "three.csv", rows)
+    three = load_user_files(str(tmp_path / "three.csv"), str(tmp_path / "three.csv"))
+    assert three.text_columns == ("a", "b")
+    write_user_file(tmp_path / "none.csv", [{"label": 1}, {"label": 0}])
+    with pytest.raises(
+        InputError, match=r"no text columns found .* found \['label'\]. Name them with --text_columns"
+    ):
+        load_user_files(str(tmp_path / "none.csv"), str(tmp_path / "none.csv"))
+
+
 def test_user_file_errors(tmp_path):
     write_user_file(tmp_path / "train.csv", [{"body": "x", "label": 1}, {"body": "y", "label": 0}])
-    with pytest.raises(
-        InputError, match=r"no text columns found .* found \['body', 'label'\]. Name them with --text_columns"
-    ):
-        load_user_files(str(tmp_path / "train.csv"), str(tmp_path / "train.csv"))
     with pytest.raises(InputError, match=r"has no column\(s\) \['title'\]"):
         load_user_files(str(tmp_path / "train.csv"), str(tmp_path / "train.csv"), ("title",))
     with pytest.raises(InputError, match="does not exist"):

@@ -102,13 +102,22 @@ def test_bad_conll_files_are_one_sentence_errors(tmp_path, content, message):
         load_files(str(path), str(CONLL / "valid.txt"))
 
 
+def test_columns_not_named_are_read_as_the_ner_example_reads_them(tmp_path):
+    """No `tokens` column: the first is the words, and the second the tags where no tags column
+    has a known name (transformers' run_ner_no_trainer.py)."""
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps({"words": ["Paris", "is"], "marks": ["B-LOC", "O"]}) + "\n")
+    table = read_file(str(path), None, None)
+    assert table["tokens"] == [["Paris", "is"]] and table["tags"] == [["B-LOC", "O"]]
+
+
 @pytest.mark.parametrize(
     "row, message",
     [
         ({"tokens": ["a", "b"], "ner_tags": ["O"]}, "line 1: 2 words but 1 tags"),
         ({"tokens": ["a"], "ner_tags": [3]}, r"tags must be names such as 'B-PER'"),
         ({"tokens": [], "ner_tags": []}, "must be a non-empty list of words"),
-        ({"words": ["a"], "ner_tags": ["O"]}, r"has no column\(s\) \['tokens'\]"),
+        ({"words": ["a"]}, r"has no column\(s\) \['ner_tags'\]"),  # words alone: no tags to learn
     ],
 )
 def test_bad_json_rows_are_one_sentence_errors(tmp_path, row, message):

@@ -1,0 +1,348 @@
+"""A transformers no_trainer user's command works unchanged on the recipe that stands in for it
+(issue #64; docs/migrating.md).
+
+- Every flag of the four examples' parsers (tests/data/no_trainer/flags.json, read from their
+  source) is in amp_recipes.migration.FLAGS, and the recipe takes it with the example's meaning,
+  or refuses it in one sentence; a flag a newer release adds is named.
+- The examples' own test command lines run on the recipes, on data of our own in the examples'
+  formats (tests/data/no_trainer), and leave all_results.json with the example's keys beside
+  eval_results.json, from the same numbers. Only the model and the files are ours: a tiny BERT for
+  the Hub model, the fixtures for transformers' test files.
+- Their README command lines, which read the Hub, parse, and offline stop with one sentence.
+- A folder the example's --checkpointing_steps writes (accelerator.save_state into epoch_<i> or
+  step_<n>) resumes on the recipe.
+- --hf_example_defaults takes the examples' defaults; --report_to names a tracker not installed.
+"""
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import RECIPES, REPO, TINY_BERT, accelerate_launch, load_recipe, reset_accelerate, run
+from safetensors.torch import load_file
+
+from amp_recipes import migration
+
+FIXTURES = REPO / "tests" / "data" / "no_trainer"
+SNAPSHOT = json.loads((FIXTURES / "flags.json").read_text())["examples"]
+sys.path.insert(0, str(REPO / "scripts"))
+import no_trainer_flags  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- every flag
+def base_argv(recipe: str, flag: str) -> list[str]:
+    """The least a recipe needs to parse, with nothing that conflicts with `flag`."""
+    if recipe == "bert_glue":
+        return [] if flag in ("--task_name", *PAIRED) else ["--task_name", "mrpc"]
+    if recipe == "bert_mlm":
+        return [] if flag == "--dataset_name" else ["--train_file", "text.txt"]
+    return []
+
+
+VALUES = {  # a value as a user of the example writes it (None: a switch)
+    "--lr_scheduler_type": "constant",
+    "--report_to": "all",
+    "--checkpointing_steps": "epoch",
+    "--resume_from_checkpoint": "",
+    "--model_type": "bert",
+    "--text_column_name": "words",
+    "--label_column_name": "ner",
+    "--max_length": "64",
+    "--validation_split_percentage": "5",
+    "--null_score_diff_threshold": "0.0",
+    "--mlm_probability": "0.2",
+    "--learning_rate": "3e-5",
+    "--weight_decay": "0.0",
+}
+
+
+PAIRED = {  # what the flag needs beside it in the examples too (they evaluate, so they read both files)
+    "--train_file": ["--validation_file", "dev.json"],
+    "--validation_file": ["--train_file", "train.json"],
+    "--test_file": ["--do_predict"],
+    "--do_predict": ["--test_file", "q.json"],
+}
+
+
+def example_tokens(recipe: str, flag: str, spec: dict) -> list[str]:
+    """The flag as the example's parser takes it (a switch alone, a `type=bool` flag with a value),
+    then what it needs beside it."""
+    if spec.get("action") == '"store_true"':
+        return [flag, *PAIRED.get(flag, [])]
+    if spec.get("type") == "bool":
+        return [flag, "True"]
+    if flag == "--task_name":
+        return [flag, "mrpc" if recipe == "bert_glue" else "chunk"]
+    if flag in VALUES:
+        return [flag, VALUES[flag]]
+    if spec.get("type") in ("int", "float"):
+        return [flag, "8"]
+    return [flag, "value.json", *PAIRED.get(flag, [])]
+
+
+def every_example_flag():
+    for recipe, flags in SNAPSHOT.items():
+        for flag, spec in flags.items():
+            yield pytest.param(recipe, flag, spec, id=f"{recipe}{flag}")
+
+
+@pytest.mark.parametrize("recipe, flag, spec", every_example_flag())
+def test_every_flag_of_the_example_is_taken_or_refused_in_one_sentence(recipe, flag, spec, capsys):
+    row = migration.FLAGS[flag]
+    assert recipe in row.examples, f"{flag} of {recipe}'s example is not in amp_recipes.migration.FLAGS"
+    module = load_recipe(recipe)
+    tokens = example_tokens(recipe, flag, spec)
+    if row.how == "refused":
+        with pytest.raises(SystemExit):
+            module.parse_args([*base_argv(recipe, flag), *tokens])
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert error.split(": error: ", 1)[1].startswith(
+            f"{flag} {tokens[1]} builds a model from random weights"
+        )
+        return
+    args = module.parse_args([*base_argv(recipe, flag), *tokens])
+    dest = (row.target or flag)[2:]
+    if row.how == "alias":
+        assert str(getattr(args, dest)) == tokens[1]  # the recipe's own flag holds the example's value
+    elif flag == "--resume_from_checkpoint":
+        assert args.resume_from_checkpoint is None  # the example's empty value: no resume
+    elif len(tokens) == 1 or spec.get("type") == "bool":
+        assert getattr(args, dest) is True
+    reset_accelerate()
+
+
+def test_a_flag_a_newer_release_adds_or_drops_is_named():
+    """scripts/no_trainer_flags.py's check, on the snapshot as a newer release might read."""
+    assert no_trainer_flags.gaps(SNAPSHOT) == []
+    newer = {recipe: dict(flags) for recipe, flags in SNAPSHOT.items()}
+    newer["bert_glue"]["--low_cpu_mem_usage"] = {"action": '"store_true"'}
+    del newer["bert_qa"]["--doc_stride"]
+    assert no_trainer_flags.gaps(newer) == [
+        "bert_glue: --low_cpu_mem_usage is not in amp_recipes.migration.FLAGS",
+        "bert_qa: the table lists --doc_stride, which the script no longer has",
+    ]
+
+
+def test_the_migration_page_shows_the_table_as_it_is():
+    assert migration.flag_table() in (REPO / "docs" / "migrating.md").read_text()
+
+
+def test_the_example_defaults_on_request(capsys):
+    """--hf_example_defaults: the examples' numbers for every flag not given; what is given stays."""
+    glue = load_recipe("bert_glue")
+    args = glue.parse_args(["--task_name", "mrpc", "--hf_example_defaults", "--learning_rate", "3e-5"])
+    assert (args.per_device_train_batch_size, args.per_device_eval_batch_size, args.learning_rate) == (
+        8,
+        8,
+        3e-5,
+    )
+    assert (args.weight_decay, args.num_warmup_steps, args.max_grad_norm) == (0.0, 0, 0.0)
+    assert isinstance(args.seed, int) and 0 <= args.seed < 2**32  # unseeded there: drawn, and recorded
+    ours = glue.parse_args(["--task_name", "mrpc"])
+    assert (ours.per_device_train_batch_size, ours.learning_rate, ours.seed, ours.max_grad_norm) == (
+        32,
+        2e-5,
+        42,
+        1.0,
+    )
+    mlm = load_recipe("bert_mlm").parse_args(["--train_file", "t.txt", "--hf_example_defaults"])
+    assert (mlm.max_seq_length, mlm.num_train_epochs) == (None, 3)  # the model's own length, at most 1024
+    with pytest.raises(SystemExit):
+        glue.parse_args(["--task_name", "mrpc", "--report_to", "comet_ml"])
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("error: --report_to comet_ml needs the comet_ml package: pip install comet_ml.")
+    )
+    tracked = glue.parse_args(["--task_name", "mrpc", "--with_tracking"])
+    assert (tracked.report_to, tracked.project_name) == ("all", "glue_no_trainer")
+
+
+# ----------------------------------------------------------------------------- the examples' own commands
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    """The tiny BERT without its classifier, as a Hub base model is (bert-base-cased and the like):
+    each recipe starts its own head."""
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("base-model")
+    BertForSequenceClassification.from_pretrained(TINY_BERT).bert.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY_BERT).save_pretrained(folder)
+    return folder
+
+
+def example_test_command(recipe: str, model: Path, output_dir: Path) -> list:
+    """transformers' examples/pytorch/test_accelerate_examples.py command line for the example,
+    with our model and our files in the example's formats in place of its Hub model and fixtures."""
+    commands = {
+        "bert_glue": f"--model_name_or_path {model} --output_dir {output_dir} "
+        f"--train_file {FIXTURES}/mrpc_train.csv --validation_file {FIXTURES}/mrpc_dev.csv "
+        "--per_device_train_batch_size=2 --per_device_eval_batch_size=1 --learning_rate=1e-4 --seed=42 "
+        "--num_warmup_steps=2 --checkpointing_steps epoch --with_tracking",
+        "bert_ner": f"--model_name_or_path {model} --train_file {FIXTURES}/conll.json "
+        f"--validation_file {FIXTURES}/conll.json --output_dir {output_dir} --learning_rate=2e-4 "
+        "--per_device_train_batch_size=2 --per_device_eval_batch_size=2 --num_train_epochs=2 --seed 7 "
+        "--checkpointing_steps epoch --with_tracking",
+        "bert_qa": f"--model_name_or_path {model} --version_2_with_negative "
+        f"--train_file {FIXTURES}/squad_v2.json --validation_file {FIXTURES}/squad_v2.json "
+        f"--output_dir {output_dir} --seed=42 --max_train_steps=10 --num_warmup_steps=2 --learning_rate=2e-4 "
+        "--per_device_train_batch_size=2 --per_device_eval_batch_size=1 --checkpointing_steps epoch "
+        "--with_tracking",
+        "bert_mlm": f"--model_name_or_path {model} --train_file {FIXTURES}/sample_text.txt "
+        f"--validation_file {FIXTURES}/sample_text.txt --output_dir {output_dir} --num_train_epochs=1 "
+        "--checkpointing_steps epoch --with_tracking",
+    }
+    return [RECIPES / f"{recipe}.py", *shlex.split(commands[recipe])]
+
+
+ALL_RESULTS_KEYS = {  # the example's all_results.json keys (ours may add, never lack one)
+    "bert_glue": {"eval_accuracy"},
+    "bert_ner": {"eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "train_loss"},
+    "bert_qa": {"eval_exact", "eval_f1", "eval_total", "eval_HasAns_exact", "eval_NoAns_exact"},
+    "bert_mlm": {"perplexity"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", list(migration.EXAMPLES))
+def test_the_examples_test_command_runs_unchanged_and_leaves_all_results_json(recipe, base_model, tmp_path):
+    output_dir = tmp_path / "out"
+    result = run(
+        accelerate_launch("--num_processes", 1, *example_test_command(recipe, base_model, output_dir)),
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    all_results = json.loads((output_dir / "all_results.json").read_text())
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    assert ALL_RESULTS_KEYS[recipe] <= set(all_results), all_results
+    if recipe == "bert_mlm":
+        assert all_results == {"perplexity": results["eval_perplexity"]}
+    elif recipe == "bert_ner":  # the example's four overall scores, not each entity type's
+        assert (
+            set(all_results) == ALL_RESULTS_KEYS[recipe]
+            and all_results["train_loss"] == results["train_loss"]
+        )
+    assert all(all_results[k] == results[k] for k in all_results if k in results)  # the same numbers
+    checkpoints = sorted(p.name for p in (output_dir / "checkpoints").glob("checkpoint-*"))
+    assert checkpoints and results["train_steps"] == int(checkpoints[-1].split("-")[1])  # one per epoch
+    # --with_tracking: every installed tracker, in the example's project (TensorBoard's folder).
+    project = f"{migration.TRACKING_PROJECTS[recipe]}_no_trainer"
+    assert (output_dir / project).is_dir() and any((output_dir / project).rglob("events.out.tfevents*"))
+
+
+README_COMMANDS = {  # the no_trainer command line of each example's README, our tiny model for the Hub's
+    "bert_glue": "--model_name_or_path {model} --task_name mrpc --max_length 128 "
+    "--per_device_train_batch_size 32 --learning_rate 2e-5 --num_train_epochs 3 --output_dir {out}",
+    "bert_ner": "--model_name_or_path {model} --dataset_name conll2003 --task_name ner --max_length 128 "
+    "--per_device_train_batch_size 32 --learning_rate 2e-5 --num_train_epochs 3 --output_dir {out}",
+    "bert_qa": "--model_name_or_path {model} --dataset_name squad --max_seq_length 384 --doc_stride 128 "
+    "--output_dir {out}",
+    "bert_mlm": "--dataset_name wikitext --dataset_config_name wikitext-2-raw-v1 --model_name_or_path {model} "
+    "--output_dir {out}",
+}
+
+
+@pytest.mark.parametrize("recipe", list(migration.EXAMPLES))
+def test_the_readme_command_parses_and_offline_stops_with_one_sentence(recipe, base_model, tmp_path):
+    """The README's command reads the Hub's dataset: every flag parses with the example's meaning,
+    and here, offline, the run stops before any training with the one sentence that says why."""
+    argv = shlex.split(README_COMMANDS[recipe].format(model=base_model, out=tmp_path / "out"))
+    args = load_recipe(recipe).parse_args(argv)
+    reset_accelerate()
+    if recipe in ("bert_glue", "bert_ner"):
+        assert args.max_seq_length == 128  # --max_length
+    result = run([sys.executable, RECIPES / f"{recipe}.py", *argv], tmp_path, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("error: Could not load ")
+        and "from the Hugging Face Hub" in last
+        and "Offline?" in last
+    )
+    assert "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------------------- the example's checkpoints
+def example_save_state(folder: Path, model_dir: Path, steps: int) -> None:
+    """What run_glue_no_trainer.py does up to its --checkpointing_steps save, in this process:
+    its Accelerator, model, AdamW with its parameter groups, linear schedule, batches of 2 of the
+    MRPC csv, `steps` optimizer steps, then accelerator.save_state(folder)."""
+    from accelerate import Accelerator
+    from datasets import load_dataset
+    from torch.utils.data import DataLoader
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        get_scheduler,
+    )
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    reset_accelerate()
+    accelerator = Accelerator()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    raw = load_dataset("csv", data_files={"train": str(FIXTURES / "mrpc_train.csv")})["train"]
+    labels = {"equivalent": 1, "not_equivalent": 0}
+    data = raw.map(
+        lambda b: {**tokenizer(b["sentence1"], b["sentence2"], truncation=True, max_length=128),
+                   "labels": [labels[x] for x in b["label"]]},
+        batched=True,
+        remove_columns=raw.column_names,
+    )  # fmt: skip
+    loader = DataLoader(data, shuffle=True, batch_size=2, collate_fn=DataCollatorWithPadding(tokenizer))
+    forbidden = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    decay = get_parameter_names(model, [torch.nn.LayerNorm], forbidden_layer_names=forbidden)
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.0},
+        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=5e-5)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=3 * len(loader))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for _, batch in zip(range(steps), loader, strict=False):
+        accelerator.backward(model(**batch).loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    accelerator.save_state(str(folder))
+    reset_accelerate()
+
+
+@pytest.mark.parametrize("kind", ["epoch_0", "step_5"])
+def test_a_folder_the_example_saved_resumes(kind, base_model, tmp_path):
+    """epoch_0 (after the example's first epoch: 24 steps of 48 pairs in batches of 2) resumes at
+    the start of epoch 2; step_5 at optimizer step 5, 5 batches into epoch 1. The recipe loads the
+    folder's weights (resumed at its own last step it trains no further: its model is the folder's),
+    its optimizer and schedule, and says where it placed the run and that the batch order is its own."""
+    saved = tmp_path / "example" / kind
+    steps = 24 if kind == "epoch_0" else 5
+    example_save_state(saved, base_model, steps)
+    output_dir = tmp_path / "out"
+    argv = [
+        *("--train_file", FIXTURES / "mrpc_train.csv", "--validation_file", FIXTURES / "mrpc_dev.csv"),
+        *("--model_name_or_path", base_model, "--per_device_train_batch_size", 2, "--output_dir", output_dir),
+        *("--resume_from_checkpoint", saved, "--max_train_steps", steps + (0 if kind == "epoch_0" else 3)),
+        *("--logging_steps", 1, "--learning_rate", 5e-5, "--weight_decay", 0.0),
+    ]
+    result = run([sys.executable, RECIPES / "bert_glue.py", *map(str, argv)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    position = (
+        "step 24, epoch 2, 0 batches into it" if kind == "epoch_0" else "step 5, epoch 1, 5 batches into it"
+    )
+    assert "which a transformers no_trainer example wrote" in result.stderr and position in result.stderr
+    history = [json.loads(line) for line in (output_dir / "log_history.jsonl").read_text().splitlines()]
+    trained = [row["step"] for row in history if "loss" in row]
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    if kind == "epoch_0":  # nothing left to train: the saved model is the folder's weights
+        assert trained == [] and results["train_steps"] == 24
+        ours, theirs = (
+            load_file(str(output_dir / "model.safetensors")),
+            load_file(str(saved / "model.safetensors")),
+        )
+        assert set(ours) <= set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    else:
+        assert trained == [6, 7, 8] and results["train_steps"] == 8
