@@ -278,22 +278,24 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, rang
     for name, (valid, rule) in ranges.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and valid(value)):
-            parser.error(f"--{name} must be {rule}, not {value}.")
+            written = getattr(parser, "aliases_written", {}).get(name, f"--{name}")  # as the user wrote it
+            parser.error(f"{written} must be {rule}, not {value}.")
 
 
 def resolve_gradient_accumulation(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--gradient_accumulation_steps as accelerate will run it. A DeepSpeed launch of `accelerate
     launch` exports its --gradient_accumulation_steps, or `gradient_accumulation_steps` from the
     config's deepspeed_config, as ACCELERATE_GRADIENT_ACCUMULATION_STEPS (other launches export
-    nothing, but a user may set it), and accelerate takes that over the script's value without a word: a run would step every micro-batch while the recipe sized its schedule for another
-    count. Unset, the flag takes the launcher's value; set to another, the run is refused."""
+    nothing, but a user may set it), and accelerate takes that over the script's value silently: a
+    run would step every micro-batch while the recipe sized its schedule for another count. Unset, the flag takes the launcher's value; set to another, the run is refused."""
     launcher = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     flag = args.gradient_accumulation_steps
     if launcher is None:
         args.gradient_accumulation_steps = flag or 1
     elif not launcher.isdigit() or int(launcher) < 1:
         parser.error(
-            f"accelerate launch's gradient_accumulation_steps must be a number of steps, not {launcher!r}."
+            f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS (from accelerate launch, or set by hand) is {launcher!r}, "
+            "not a whole number of steps of at least 1: unset it, or correct it."
         )
     elif flag is None:
         args.gradient_accumulation_steps = int(launcher)

@@ -55,9 +55,9 @@ FLAGS = {
     "--task_name": Flag(
         ("bert_glue", "bert_ner"),
         "same",
-        "GLUE: the task (its files from --data_dir, else the Hub). NER: accepted, ner or chunk picks "
-        "the tags column `<task>_tags` when --label_column_name is not given; pos is refused (part-of-"
-        "speech tags are not entity spans, which the recipe learns and scores)",
+        "GLUE: the task (its files from --data_dir, else the Hub). NER: ner or chunk picks the tags "
+        "column `<task>_tags` when --label_column_name is not given; pos is refused (part-of-speech "
+        "tags are not entity spans, which the recipe learns and scores)",
     ),
     "--dataset_name": _same(
         ("bert_ner", "bert_qa", "bert_mlm"),
@@ -91,9 +91,9 @@ FLAGS = {
     ),
     "--per_device_train_batch_size": _same(ALL, "default 32 (the examples: 8)"),
     "--per_device_eval_batch_size": _same(ALL, "default 128 (the examples: 8)"),
-    "--learning_rate": _same(ALL, "default 2e-5 (the examples: 5e-5)"),
+    "--learning_rate": _same(ALL, "default 2e-5, masked LM 5e-5 (the examples: 5e-5)"),
     "--weight_decay": _same(ALL, "default 0.01 (the examples: 0), never on biases and norms"),
-    "--num_train_epochs": _same(ALL),
+    "--num_train_epochs": _same(ALL, "default 3, masked LM 1 (the examples: 3)"),
     "--max_train_steps": _same(ALL),
     "--gradient_accumulation_steps": _same(
         ALL, "accelerator.accumulate (the GLUE and NER examples step after the first micro-batch)"
@@ -213,6 +213,15 @@ def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
     return flag in parser._option_string_actions
 
 
+class _Alias(argparse.Action):
+    """Another name for a recipe's flag: its value under the flag's name; the name written is kept
+    on the parser (`aliases_written`), so that an error names the flag the user typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        parser.aliases_written = {**getattr(parser, "aliases_written", {}), self.dest: option_string}
+
+
 def add_example_args(parser: argparse.ArgumentParser, recipe: str) -> None:
     """The examples' flags the recipe does not already have, in a group of their own; the flags
     that are the recipe's own (`same`) are not touched."""
@@ -223,7 +232,12 @@ def add_example_args(parser: argparse.ArgumentParser, recipe: str) -> None:
         if row.how == "alias":
             target = parser._option_string_actions[row.target]  # its value, parsed as the target parses it
             group.add_argument(
-                flag, dest=target.dest, type=target.type, default=argparse.SUPPRESS, help=f"= {row.target}."
+                flag,
+                dest=target.dest,
+                type=target.type,
+                default=argparse.SUPPRESS,
+                action=_Alias,
+                help=f"= {row.target}.",
             )
         elif row.how == "refused":
             group.add_argument(flag, help=f"Refused: {row.note}.")
@@ -274,6 +288,10 @@ def apply_example_args(parser: argparse.ArgumentParser, args: argparse.Namespace
 
     argv = list(sys.argv[1:] if argv is None else argv)
     written = given(parser, argv)
+    options = {token.split("=", 1)[0] for token in argv}
+    for flag, row in FLAGS.items():
+        if row.how == "alias" and recipe in row.examples and {flag, row.target} <= options:
+            parser.error(f"{flag} and {row.target} are the same setting: give one of them.")
     args.recipe_family = recipe  # which example's all_results.json keys (all_results)
     if getattr(args, "model_type", None):
         parser.error(
@@ -284,8 +302,6 @@ def apply_example_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         for name, value in {**EXAMPLE_DEFAULTS, **EXAMPLE_RECIPE_DEFAULTS[recipe]}.items():
             if name not in written and not (name == "num_warmup_steps" and "warmup_ratio" in written):
                 setattr(args, name, value)
-    if args.seed is None:  # the examples' unseeded run: a seed drawn here, and recorded like any other
-        args.seed = random.SystemRandom().randrange(2**32)
     if args.resume_from_checkpoint == "":  # the examples: an empty value resumes nothing
         args.resume_from_checkpoint = None
     if getattr(args, "debug", False):  # the NER example's --debug: the first 100 sentences of each split
@@ -298,6 +314,39 @@ def apply_example_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     missing = TRACKERS.get(args.report_to)
     if missing and not _importable(missing):
         parser.error(f"--report_to {args.report_to} needs the {missing} package: pip install {missing}.")
+
+
+def settle_seed(accelerator, args, checkpoints_dir: Path) -> None:
+    """--seed unset (the examples' unseeded run, --hf_example_defaults): a seed for the whole
+    launch, recorded like any other. Resumed, the checkpoint's (it must match); else drawn on the
+    main process and sent to the others, whose shuffles and shards must agree."""
+    if args.seed is not None:
+        return
+    from accelerate.logging import get_logger
+    from accelerate.utils import broadcast_object_list
+
+    from . import checkpoint  # not at the top: checkpoint imports this module
+
+    logger = get_logger(__name__)
+
+    if args.resume_from_checkpoint:
+        try:
+            found = checkpoint.resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir)
+            args.seed = json.loads((found / checkpoint.MARKER).read_text()).get("seed")
+        except (checkpoint.CheckpointError, OSError, ValueError):
+            pass  # not one of the recipe's complete checkpoints: the resume itself says what is wrong
+        if args.seed is not None:
+            logger.info(f"--seed not given: {args.seed}, the checkpoint's.", main_process_only=True)
+            return
+    drawn = [random.SystemRandom().randrange(2**32) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(drawn)
+    args.seed = drawn[0]
+    logger.info(
+        f"--seed not given: {args.seed}, drawn for this run (--seed {args.seed} repeats it; a resume takes it "
+        "from the checkpoint).",
+        main_process_only=True,
+    )
 
 
 def _importable(package: str) -> bool:
@@ -380,10 +429,18 @@ def write_all_results(output_dir, results: dict) -> None:
 def example_checkpoint(path: Path) -> tuple[str, int] | None:
     """("epoch", i) or ("step", n) for a folder the examples' --checkpointing_steps wrote with
     accelerator.save_state (`epoch_<i>`, `step_<n>`, holding the model and the optimizer's state);
-    None for anything else."""
+    None for a folder not so named. One so named in a layout the recipe cannot load (FSDP's or
+    DeepSpeed's shards) is refused in one sentence."""
     kind, _, number = Path(path).name.partition("_")
     if kind not in ("epoch", "step") or not number.isdigit():
         return None
     files = {p.name for p in Path(path).iterdir()} if Path(path).is_dir() else set()
-    has_model = bool(files & {"model.safetensors", "pytorch_model.bin"})
-    return (kind, int(number)) if has_model and "optimizer.bin" in files else None
+    if not (files & {"model.safetensors", "pytorch_model.bin"} and "optimizer.bin" in files):
+        from .errors import CheckpointError
+
+        raise CheckpointError(
+            f"{path} is named as a transformers example's checkpoint but holds no model.safetensors (or "
+            "pytorch_model.bin) with optimizer.bin: the recipes resume the examples' one-process and DDP "
+            "saves, not FSDP's or DeepSpeed's sharded ones; start a fresh run, or resume it with the example."
+        )
+    return kind, int(number)

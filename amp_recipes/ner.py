@@ -87,12 +87,14 @@ def read_json(
 ) -> datasets.Dataset:
     """Rows with a list of words and a list of tag names of the same length (`words_only`: the
     words are enough, the tags are not read). Columns not named: `tokens`, else the first column
-    (as transformers' run_ner_no_trainer.py reads a file); `<task>_tags`, tags or labels, else the
-    second."""
+    not named as tags; `<task>_tags`, tags or labels, else the first other column (for a file of
+    two columns, the first and the second, as transformers' run_ner_no_trainer.py reads it)."""
     table = load_user_file(path, None, JSON_BUILDERS)
     columns = table.column_names
-    if tokens_column is None:
-        tokens_column = "tokens" if "tokens" in columns or not columns else columns[0]
+    candidates = (f"{task}_tags", *TAG_COLUMNS)
+    if tokens_column is None:  # `tokens`, else the first column that is not named as tags
+        others = [c for c in columns if c not in candidates]
+        tokens_column = "tokens" if "tokens" in columns or not columns else (others or columns)[0]
     if words_only:  # --test_file: every tag O, never read (word_tags predicts them)
         if tokens_column not in table.column_names:
             raise InputError(
@@ -100,9 +102,13 @@ def read_json(
             )
         tags_column = "__tags__"
         table = table.add_column(tags_column, [["O"] * len(words or []) for words in table[tokens_column]])
-    candidates = (f"{task}_tags", *TAG_COLUMNS)
-    fallback = columns[1] if len(columns) > 1 else TAG_COLUMNS[0]
+    fallback = next((c for c in columns if c != tokens_column), TAG_COLUMNS[0])
     tags_column = tags_column or next((c for c in candidates if c in table.column_names), fallback)
+    if tokens_column == tags_column:
+        raise InputError(
+            f"{path} has no words column besides its tags column {tags_column!r}; found {columns}. "
+            "Name it with --tokens_column."
+        )
     missing = [c for c in (tokens_column, tags_column) if c not in table.column_names]
     if missing:
         raise InputError(

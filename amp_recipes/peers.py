@@ -26,8 +26,9 @@ Checkpoints and the final model are written aside and renamed when complete, so 
 at any moment leaves none half-written.
 
 What it cannot see: a whole machine gone (no rank is left on it to say so; the others wait for
-NCCL's error or timeout), a rank that hangs (the others give up after --ddp_timeout), and launches
-without torchrun's agent store (then only NCCL's own error is read).
+NCCL's error or timeout), a rank that hangs (the others give up after --ddp_timeout), a rank that
+dies before it registered (before its run's output folder is claimed), and launches without
+torchrun's agent store (then only NCCL's own error is read).
 """
 
 from __future__ import annotations
@@ -73,15 +74,16 @@ def process_start(pid: int) -> str | None:
 def died_message(rank: int, world: int, where: str) -> str:
     return (
         f"rank {rank} of {world} ({where}) ended without an error of its own (a signal killed it: the kernel's "
-        "out-of-memory killer, kill -9, a crash), and the other ranks cannot go on without it; the launcher "
-        "stops every process. Resume with --resume_from_checkpoint latest."
+        "out-of-memory killer, kill -9, a crash), and the other ranks cannot go on without it, so the launcher "
+        "stops every process: resume with --resume_from_checkpoint latest."
     )
 
 
 def failed_message(world: int) -> str:
     return (
         f"another of the {world} ranks failed with an error of its own (above, or in its machine's log) "
-        "while the others waited for it in a collective operation; the launcher stops every process."
+        "while the others waited for it in a collective operation, and the launcher stops every process: "
+        "fix that error, then resume with --resume_from_checkpoint latest."
     )
 
 
@@ -90,13 +92,13 @@ def nccl_message(error: str, world: int, ddp_timeout_s: int) -> str:
     if error == "TIMEOUT":
         return (
             f"a rank of the {world} waited {ddp_timeout_s} s (--ddp_timeout) for another in a collective "
-            "operation and gave up: that process hangs (stopped, deadlocked, stuck in I/O) or lost its "
-            "network; the launcher stops every process. Resume with --resume_from_checkpoint latest; raise "
-            "--ddp_timeout only if one rank legitimately works alone that long."
+            "operation and gave up, as that process hangs (stopped, deadlocked, stuck in I/O) or lost its "
+            "network, and the launcher stops every process: resume with --resume_from_checkpoint latest, and "
+            "raise --ddp_timeout only if one rank legitimately works alone that long."
         )
     return (
-        f"a rank of the {world} lost its connection to another (NCCL: {error}): that process died or its "
-        "network failed; the launcher stops every process. Resume with --resume_from_checkpoint latest."
+        f"a rank of the {world} lost its connection to another (NCCL: {error}), as that process died or its "
+        "network failed, and the launcher stops every process: resume with --resume_from_checkpoint latest."
     )
 
 
@@ -181,7 +183,15 @@ class PeerWatch:
             if self.store.check([errors.store_key("failed")]):
                 return failed_message(self.world)
         error = self.backend_error() if self.backend_error else None
-        return None if error in (None, "SUCCESS") else nccl_message(error, self.world, self.ddp_timeout_s)
+        if error in (None, "SUCCESS"):
+            return None
+        message = nccl_message(error, self.world, self.ddp_timeout_s)
+        if self.store is None:
+            return message
+        # Ranks may see different errors (one a timeout, another the broken connection): the first
+        # to write its sentence names it for all, so that the launch prints one.
+        self.store.compare_set(errors.store_key("lost"), "", message)
+        return self.store.get(errors.store_key("lost")).decode()
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -192,7 +202,9 @@ class PeerWatch:
                 message = None
             if message is None:
                 continue
-            if self.stopped.wait(GRACE_S):  # the main thread ended the run, or its last collective, meanwhile
+            # The main thread ended the run, or its last collective, meanwhile; or is ending by its
+            # own path (its own error or a lost rank, said in its own sentence).
+            if self.stopped.wait(GRACE_S) or errors.ending_on_purpose():
                 return
             self.end(message)
 

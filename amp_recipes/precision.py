@@ -367,8 +367,8 @@ def check_launch(accelerator) -> None:
     configured = plugin.deepspeed_config.get("gradient_accumulation_steps") if plugin else None
     if isinstance(configured, int) and configured != accelerator.gradient_accumulation_steps:
         raise InputError(
-            f"The DeepSpeed config file says gradient_accumulation_steps {configured} (accelerate puts 1 where it "
-            f"says nothing) and the run asks for {accelerator.gradient_accumulation_steps}: prepare() would switch to "
+            f"The DeepSpeed config holds gradient_accumulation_steps {configured} (the file's value, or 1 where the "
+            f"file has none) and the run asks for {accelerator.gradient_accumulation_steps}: prepare() would switch to "
             f'{configured} after the schedule was sized; set it to "auto" in the file (the flag then decides) or '
             f"to {accelerator.gradient_accumulation_steps}."
         )

@@ -73,13 +73,9 @@ class TrainingRun:
         # --push_to_hub: the repo created now (main process), so a push that cannot work stops the run here.
         self.hub_repo = hub.create_repo(args) if accelerator.is_main_process else None
         self.output = outputs.claim_output_dir(accelerator, args)  # refuses a folder that holds a run
-        # Several processes: a rank that died or failed ends this one within seconds, with one
-        # sentence, also where this one waits in a collective that never completes (NCCL).
-        self.peers = PeerWatch.for_run(accelerator, args.ddp_timeout)
-        if self.peers is not None:
-            self.peers.start()
-        set_seed(args.seed)
         self.checkpoints_dir = Path(args.output_dir) / "checkpoints"
+        migration.settle_seed(accelerator, args, self.checkpoints_dir)  # --seed unset: one for the launch
+        set_seed(args.seed)
         self.step, self.epoch, self.batches_in_epoch, self.results = 0, 0, 0, {}
         self.progress = self.preemption = self.activations = None
         self.initial_weights = None
@@ -91,6 +87,12 @@ class TrainingRun:
             None  # the mean training loss of the last epoch (eval_results.json, all_results.json)
         )
         self.ended = False  # the trackers end with a finished or preempted run, not a failed one
+        # Several processes: a rank that died or failed ends this one within seconds, with one
+        # sentence, also where this one waits in a collective that never completes (NCCL). Started
+        # last: from here __exit__ stops it, whatever ends the run.
+        self.peers = PeerWatch.for_run(accelerator, args.ddp_timeout)
+        if self.peers is not None:
+            self.peers.start()
 
     def __enter__(self) -> TrainingRun:
         return self

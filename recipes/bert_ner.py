@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument(
         "--tags_column",
-        help="Tags column of a .json/.jsonl file (default: <task>_tags, tags or labels, else the second).",
+        help="Tags column of a .json/.jsonl file (default: <task>_tags, tags or labels, else another).",
     )
     data.add_argument(
         "--label_all_tokens",

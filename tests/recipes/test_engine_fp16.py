@@ -179,7 +179,10 @@ def test_gradient_accumulation_from_the_launcher(launcher, flag, expected, monke
             "which accelerate would use instead: drop one of them, or make them equal."
         )
     else:
-        assert "must be a number of steps, not 'auto'" in error
+        assert (
+            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS (from accelerate launch, or set by hand) is 'auto'"
+            in error
+        )
 
 
 # ----------------------------------------------------------------------------- DeepSpeed's loss scaler
@@ -319,7 +322,7 @@ def test_deepspeed_fp16_takes_the_recipes_loss_scale_flags(tmp_path, deepspeed_b
         "--fp16_init_scale 1000: DeepSpeed's initial loss scale is a power of two"
     )
     assert accumulation["refused"].startswith(
-        "The DeepSpeed config file says gradient_accumulation_steps 8 (accelerate puts 1 where it says nothing) "
-        "and the run asks for 4"
+        "The DeepSpeed config holds gradient_accumulation_steps 8 (the file's value, or 1 where the file has "
+        "none) and the run asks for 4"
     )
     assert math.log2(65536) == defaults["report"]["initial_scale_power"]

@@ -25,6 +25,7 @@ from conftest import RECIPES, REPO, TINY_BERT, accelerate_launch, load_recipe, r
 from safetensors.torch import load_file
 
 from amp_recipes import migration
+from amp_recipes.checkpoint import LATEST, MARKER
 
 FIXTURES = REPO / "tests" / "data" / "no_trainer"
 SNAPSHOT = json.loads((FIXTURES / "flags.json").read_text())["examples"]
@@ -140,7 +141,7 @@ def test_the_example_defaults_on_request(capsys):
         3e-5,
     )
     assert (args.weight_decay, args.num_warmup_steps, args.max_grad_norm) == (0.0, 0, 0.0)
-    assert isinstance(args.seed, int) and 0 <= args.seed < 2**32  # unseeded there: drawn, and recorded
+    assert args.seed is None  # unseeded there: drawn at the run's start, once for the launch (below)
     ours = glue.parse_args(["--task_name", "mrpc"])
     assert (ours.per_device_train_batch_size, ours.learning_rate, ours.seed, ours.max_grad_norm) == (
         32,
@@ -159,6 +160,58 @@ def test_the_example_defaults_on_request(capsys):
     )
     tracked = glue.parse_args(["--task_name", "mrpc", "--with_tracking"])
     assert (tracked.report_to, tracked.project_name) == ("all", "glue_no_trainer")
+
+
+def test_an_alias_out_of_range_is_named_as_written(capsys):
+    with pytest.raises(SystemExit):
+        load_recipe("bert_ner").parse_args(["--max_length=-1"])
+    assert capsys.readouterr().err.strip().endswith("error: --max_length must be at least 1, not -1.")
+
+
+def test_an_alias_and_its_flag_together_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        load_recipe("bert_glue").parse_args(
+            ["--task_name", "mrpc", "--max_length=256", "--max_seq_length", "128"]
+        )
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("error: --max_length and --max_seq_length are the same setting: give one of them.")
+    )
+
+
+SETTLE_SEED = """
+import argparse, logging, sys
+from pathlib import Path
+from accelerate import Accelerator
+from amp_recipes import migration
+logging.basicConfig(level=logging.INFO)
+accelerator = Accelerator()
+resume = None if sys.argv[1] == "none" else sys.argv[1]
+args = argparse.Namespace(seed=None, resume_from_checkpoint=resume)
+migration.settle_seed(accelerator, args, Path(resume or "."))
+print(f"rank {accelerator.process_index} seed {args.seed}", flush=True)
+"""
+
+
+def test_an_unseeded_run_draws_one_seed_for_the_launch_and_resumes_with_it(tmp_path):
+    """--hf_example_defaults leaves --seed unset, as the examples do: every process of a launch must
+    shuffle and shard alike, so the main process draws it and sends it; a resume takes the
+    checkpoint's, which it must match."""
+    script = tmp_path / "settle_seed.py"
+    script.write_text(SETTLE_SEED)
+    two = ["--multi_gpu", "--num_processes", 2, "--num_cpu_threads_per_process", 1]
+    launched = run(accelerate_launch(*two, script, "none"), tmp_path, ACCELERATE_USE_CPU="1")
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    seeds = sorted(line.split()[-1] for line in launched.stdout.splitlines() if line.startswith("rank "))
+    assert len(seeds) == 2 and seeds[0] == seeds[1] and seeds[0] != "None", launched.stdout
+    assert f"--seed not given: {seeds[0]}, drawn for this run" in launched.stderr
+    saved = tmp_path / "checkpoints" / "checkpoint-4"
+    saved.mkdir(parents=True)
+    (saved / MARKER).write_text(json.dumps({"global_step": 4, "seed": 1234}))
+    (tmp_path / "checkpoints" / LATEST).write_text("checkpoint-4")
+    resumed = run([sys.executable, script, tmp_path / "checkpoints"], tmp_path)
+    assert resumed.returncode == 0 and "rank 0 seed 1234" in resumed.stdout, resumed.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- the examples' own commands
@@ -310,6 +363,24 @@ def example_save_state(folder: Path, model_dir: Path, steps: int) -> None:
         optimizer.zero_grad()
     accelerator.save_state(str(folder))
     reset_accelerate()
+
+
+def test_a_sharded_folder_the_example_saved_is_refused_in_one_sentence(base_model, tmp_path):
+    """An example run under FSDP saves its model and optimizer as shards: not loadable here."""
+    saved = tmp_path / "step_5"
+    (saved / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (saved / "optimizer_0").mkdir()
+    argv = [
+        *("--train_file", FIXTURES / "mrpc_train.csv", "--validation_file", FIXTURES / "mrpc_dev.csv"),
+        *("--model_name_or_path", base_model, "--output_dir", tmp_path / "out"),
+        *("--resume_from_checkpoint", saved),
+    ]
+    result = run([sys.executable, RECIPES / "bert_glue.py", *map(str, argv)], tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {saved} is named as a transformers example's checkpoint") and (
+        "not FSDP's or DeepSpeed's sharded ones" in last
+    ), last
 
 
 @pytest.mark.parametrize("kind", ["epoch_0", "step_5"])

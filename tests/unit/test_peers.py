@@ -79,7 +79,7 @@ def test_a_peer_gone_without_a_word_died_and_is_named_for_every_rank(store):
     assert peer_watch.check() == expected
     assert (
         expected.startswith(f"rank 2 of 3 (pid {pid} on ")
-        and "Resume with --resume_from_checkpoint latest" in expected
+        and "resume with --resume_from_checkpoint latest" in expected
     )
     assert store.get(errors.store_key("lost")).decode() == expected  # what the other machines read
 
@@ -141,6 +141,17 @@ def test_nccls_own_error_ends_the_run_with_a_sentence(error, monkeypatch):
     # the same sentence on every rank, so that errors.first_to_say prints it once for the launch
     other_rank = peers.PeerWatch(rank=2, world=3, ddp_timeout_s=600, backend_error=lambda: error)
     assert other_rank.check() == message
+
+
+def test_ranks_that_see_different_nccl_errors_print_one_sentence(store):
+    """One rank's watchdog timed out, another saw the broken connection: the first sentence written
+    to the launch's store is every rank's."""
+    timed_out = watch(backend_error=lambda: "TIMEOUT")
+    first = timed_out.check()
+    assert first.startswith("a rank of the 3 waited 600 s (--ddp_timeout)")
+    other = peers.PeerWatch(rank=1, world=3, ddp_timeout_s=600, backend_error=lambda: "REMOTE_ERROR")
+    other.connect()
+    assert other.check() == first
 
 
 def test_a_zombie_counts_as_gone():
