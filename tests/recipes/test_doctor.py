@@ -468,10 +468,10 @@ def doctor_command(recipe: str, report_dir, flags: list) -> list:
 
 @pytest.fixture(scope="module")
 def minilm_mrpc(tmp_path_factory):
-    """MiniLM-L6 on MRPC, batch 16: the doctor's report, and the recipe's own fp32 and bf16 runs
+    """MiniLM-L6 on MRPC, batch 8: the doctor's report, and the recipe's own fp32 and bf16 runs
     of 12 steps (each in its own process: a CPU's peak memory is the process's)."""
     tmp_path = tmp_path_factory.mktemp("minilm-mrpc")
-    flags = glue_flags(model_name_or_path=minilm_path(), per_device_train_batch_size=16, max_train_steps=12)
+    flags = glue_flags(model_name_or_path=minilm_path(), per_device_train_batch_size=8, max_train_steps=12)
     flags += ["--fp16_init_scale", 2**24, "--fp16_growth_interval", 1000]
     done = run(doctor_command("bert_glue", tmp_path / "doctor", flags), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
