@@ -47,7 +47,11 @@ def plain_env(tmp_path, **extra) -> dict:
 
 class ProcessCensus(threading.Thread):
     """Every Python process of a run, seen in /proc every 50 ms while it runs (each lives seconds):
-    the processes whose environment carries AMP_SCALE_OUT_TEST=<tag>, with their command line."""
+    the processes whose environment carries AMP_SCALE_OUT_TEST=<tag>, with their command line.
+
+    A command line is read again at every look, the last one kept: between fork and exec a child
+    still shows its parent's (a CI run once counted the reload step as a second check), and after
+    exec it shows its own. An empty one (a process exiting) leaves the last one read."""
 
     def __init__(self, tag: str):
         super().__init__(daemon=True)
@@ -56,11 +60,18 @@ class ProcessCensus(threading.Thread):
     def run(self):
         while self.running:
             for pid in run_processes(self.tag):
-                if pid not in self.seen:
-                    with contextlib.suppress(OSError):
-                        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                        if Path(argv[0].decode()).name.startswith("python"):
-                            self.seen[pid] = " ".join(part.decode() for part in argv if part)
+                with contextlib.suppress(OSError):
+                    argv = [
+                        part.decode()
+                        for part in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                        if part
+                    ]
+                    if not argv:
+                        continue
+                    if Path(argv[0]).name.startswith("python"):
+                        self.seen[pid] = " ".join(argv)
+                    else:  # it exec'd something other than Python after the look that counted it
+                        self.seen.pop(pid, None)
             time.sleep(0.05)
 
     def stop(self) -> dict:
