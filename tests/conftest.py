@@ -144,11 +144,18 @@ def pytest_addoption(parser):
         action="store_true",
         help="also run the round-trip rows marked full_matrix (26 CPU-minutes more, measured; CI leaves them out)",
     )
+    parser.addoption(
+        "--measurements",
+        action="store_true",
+        help="also run the tests marked measurement: the doctor's predicted peak memory against real "
+        "runs (a CPU's resident set moves with the machine's load; run them on a quiet machine)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     """`gpu`-marked tests need CUDA: skip them cleanly elsewhere. `full_matrix` rows run only with
-    --full-matrix: they are skipped, with that reason, everywhere else (CI included)."""
+    --full-matrix, `measurement` tests only with --measurements: they are skipped, with that reason,
+    everywhere else (CI included)."""
     import pytest
     import torch
 
@@ -157,6 +164,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "full_matrix" in item.keywords:
                 item.add_marker(rest)
+    if not config.getoption("--measurements"):
+        quiet = pytest.mark.skip(
+            reason="a measurement: run with --measurements on a quiet machine (docs/doctor.md)"
+        )
+        for item in items:
+            if "measurement" in item.keywords:
+                item.add_marker(quiet)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)")
