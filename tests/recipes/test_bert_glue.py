@@ -494,6 +494,7 @@ def read_predictions(path: Path) -> list[str]:
     return list(labels)
 
 
+@pytest.mark.slow  # pretrained MiniLM over MRPC's 1,725 test pairs, twice: 100 CPU-seconds in CI
 def test_do_predict_writes_the_test_splits_labels_from_the_trained_and_from_a_saved_model(recipe, tmp_path):
     """--do_predict after training (pretrained MiniLM, whose new head answers both labels):
     predict_results_mrpc.txt holds a label name for every one of MRPC's 1,725 test pairs
