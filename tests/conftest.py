@@ -159,18 +159,18 @@ def pytest_collection_modifyitems(config, items):
     import pytest
     import torch
 
-    if not config.getoption("--full-matrix"):
-        rest = pytest.mark.skip(reason="a full_matrix row: run with --full-matrix (docs/scaling-out.md)")
-        for item in items:
-            if "full_matrix" in item.keywords:
-                item.add_marker(rest)
-    if not config.getoption("--measurements"):
-        quiet = pytest.mark.skip(
-            reason="a measurement: run with --measurements on a quiet machine (docs/doctor.md)"
-        )
-        for item in items:
-            if "measurement" in item.keywords:
-                item.add_marker(quiet)
+    left_out = {  # marker: (the option that runs its tests, the reason they are skipped without it)
+        "full_matrix": ("--full-matrix", "a full_matrix row: run with --full-matrix (docs/scaling-out.md)"),
+        "measurement": (
+            "--measurements",
+            "a measurement: run with --measurements on a quiet machine (docs/doctor.md)",
+        ),
+    }
+    for marker, (option, reason) in left_out.items():
+        if not config.getoption(option):
+            for item in items:
+                if marker in item.keywords:
+                    item.add_marker(pytest.mark.skip(reason=reason))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)")
