@@ -51,11 +51,14 @@ class ProcessCensus(threading.Thread):
 
     A command line is read again at every look, the last one kept: between fork and exec a child
     still shows its parent's (a CI run once counted the reload step as a second check), and after
-    exec it shows its own. An empty one (a process exiting) leaves the last one read."""
+    exec it shows its own. An empty one (a process exiting) leaves the last one read. A child last
+    seen with its parent's command line was never seen after its exec: it exec'd without the tag
+    (the check's cleanup watcher, counted once as a second check) or ran a moment and exited. It
+    is not one of the run's programs, so stop() leaves it out."""
 
     def __init__(self, tag: str):
         super().__init__(daemon=True)
-        self.tag, self.seen, self.running = tag, {}, True
+        self.tag, self.seen, self.parents, self.running = tag, {}, {}, True
 
     def run(self):
         while self.running:
@@ -68,6 +71,9 @@ class ProcessCensus(threading.Thread):
                     ]
                     if not argv:
                         continue
+                    self.parents[pid] = int(
+                        Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1]
+                    )
                     if Path(argv[0]).name.startswith("python"):
                         self.seen[pid] = " ".join(argv)
                     else:  # it exec'd something other than Python after the look that counted it
@@ -77,7 +83,11 @@ class ProcessCensus(threading.Thread):
     def stop(self) -> dict:
         self.running = False
         self.join()
-        return self.seen
+        return {
+            pid: command
+            for pid, command in self.seen.items()
+            if self.seen.get(self.parents.get(pid)) != command
+        }
 
 
 def load_gpu_check():
@@ -615,3 +625,30 @@ def test_a_check_killed_outright_takes_its_steps_processes_along(tmp_path):
     check.wait()
     time.sleep(5)
     assert not marker.exists() and not (tmp_path / "scratch").exists()
+
+
+def test_the_census_counts_the_programs_a_run_starts_not_its_forks(tmp_path):
+    """The census behind the process count: a child seen only between its fork and its exec (as
+    the check's cleanup watcher, which execs without the tag) or a fork that never execs is not a
+    program of the run; a tagged Python child after its exec is, by its own command line."""
+    tag = f"{tmp_path}-census"
+    parent = (
+        "import os, subprocess, sys, time\n"
+        "env = {k: v for k, v in os.environ.items() if k != 'AMP_SCALE_OUT_TEST'}\n"
+        "if os.fork() == 0:\n"  # seen with the parent's command line, then gone from the tagged
+        "    time.sleep(0.5)\n"
+        "    os.execve('/bin/sleep', ['sleep', '1.5'], env)\n"
+        "if os.fork() == 0:\n"  # never execs
+        "    time.sleep(0.5)\n"
+        "    os._exit(0)\n"
+        "subprocess.run([sys.executable, '-c', 'import time; time.sleep(1)', 'child'], check=True)\n"
+        "time.sleep(1.5)\n"
+        "os.wait(); os.wait()\n"
+    )
+    census = ProcessCensus(tag)
+    census.start()
+    subprocess.run(
+        [sys.executable, "-c", parent, "parent"], check=True, env={**os.environ, "AMP_SCALE_OUT_TEST": tag}
+    )
+    commands = sorted(command.rsplit(" ", 1)[-1] for command in census.stop().values())
+    assert commands == ["child", "parent"], commands
