@@ -53,8 +53,8 @@ class ProcessCensus(threading.Thread):
     still shows its parent's (a CI run once counted the reload step as a second check), and after
     exec it shows its own. An empty one (a process exiting) leaves the last one read. A child last
     seen with its parent's command line was never seen after its exec: it exec'd without the tag
-    (the check's cleanup watcher, counted once as a second check) or ran a moment and exited. It
-    is not one of the run's programs, so stop() leaves it out."""
+    (the check's cleanup watcher, counted once as a second check), or exec'd and exited between two
+    looks, or never exec'd. It is not one of the run's programs, so stop() leaves it out."""
 
     def __init__(self, tag: str):
         super().__init__(daemon=True)
@@ -71,9 +71,9 @@ class ProcessCensus(threading.Thread):
                     ]
                     if not argv:
                         continue
-                    self.parents[pid] = int(
-                        Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1]
-                    )
+                    if pid not in self.parents:  # the process that forked it
+                        stat = Path(f"/proc/{pid}/stat").read_text()
+                        self.parents[pid] = int(stat.rsplit(") ", 1)[1].split()[1])
                     if Path(argv[0]).name.startswith("python"):
                         self.seen[pid] = " ".join(argv)
                     else:  # it exec'd something other than Python after the look that counted it
