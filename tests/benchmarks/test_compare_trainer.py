@@ -1,4 +1,4 @@
-"""scripts/compare_trainer.py: the Trainer side prepares the same inputs as the recipes (checked
+"""benchmarks/compare_trainer.py: the Trainer side prepares the same inputs as the recipes (checked
 against the recipes' own tokenisation and post-processing on real data), both sides run per seed in
 alternating order, and the report holds time, memory and metric intervals (tiny model here; the
 real comparison is a benchmark, see docs/results.md)."""
@@ -25,7 +25,7 @@ COLUMNS = {"question": "question", "context": "context", "answers": "answers"}
 
 @pytest.fixture(scope="module")
 def script():
-    return load_module(REPO / "scripts" / "compare_trainer.py")
+    return load_module(REPO / "benchmarks" / "compare_trainer.py")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_ner_labels_equal_the_recipes(script, tokenizer):
 
 def test_both_sides_run_per_seed_and_the_report_has_intervals(tmp_path):
     output_dir = tmp_path / "report"
-    command = [sys.executable, REPO / "scripts" / "compare_trainer.py", "--task", "qa", "--seeds", "1,2"]
+    command = [sys.executable, REPO / "benchmarks" / "compare_trainer.py", "--task", "qa", "--seeds", "1,2"]
     command += ["--model_name_or_path", TINY_BERT, "--output_dir", output_dir]
     command += ["--train_file", SQUAD / "train.json", "--validation_file", SQUAD / "dev.json"]
     command += ["--max_train_samples", 24, "--max_eval_samples", 12, "--max_seq_length", 128]

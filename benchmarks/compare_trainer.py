@@ -1,8 +1,8 @@
 """The recipes against transformers.Trainer on GLUE, NER and QA: time, memory and the metric over seeds.
 
-    python scripts/compare_trainer.py --task glue --seeds 1,2,3
-    python scripts/compare_trainer.py --task ner --train_file train.txt --validation_file valid.txt --seeds 1,2,3
-    python scripts/compare_trainer.py --task qa --train_file train.json --validation_file dev.json --seeds 1,2,3
+    python benchmarks/compare_trainer.py --task glue --seeds 1,2,3
+    python benchmarks/compare_trainer.py --task ner --train_file train.txt --validation_file valid.txt --seeds 1,2,3
+    python benchmarks/compare_trainer.py --task qa --train_file train.json --validation_file dev.json --seeds 1,2,3
 
 For each seed the recipe (recipes/bert_glue.py, bert_ner.py or bert_qa.py, with its defaults) and
 the Trainer each train and evaluate in a fresh process, one after the other, the order alternating
@@ -46,7 +46,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts"))  # paired_runs' statistics
+sys.path.insert(0, str(REPO / "benchmarks"))
 from compare_loops import default_model  # noqa: E402
 from paired_runs import paired_interval, verdict  # noqa: E402
 

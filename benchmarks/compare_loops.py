@@ -1,7 +1,7 @@
 """The recipe against the loops people would otherwise run, on the same work.
 
-    python scripts/compare_loops.py --arms recipe_monitor,trainer_padded,trainer --repeats 2  # vs transformers.Trainer
-    python scripts/compare_loops.py --arms minimal,recipe --max_train_steps 60 --repeats 8  # recipe overhead
+    python benchmarks/compare_loops.py --arms recipe_monitor,trainer_padded,trainer --repeats 2  # vs transformers.Trainer
+    python benchmarks/compare_loops.py --arms minimal,recipe --max_train_steps 60 --repeats 8  # recipe overhead
 
 Arms (each run in its own fresh process, with the same model, data, hyperparameters, epochs and
 seed; the order of the arms reverses every repeat, so a slow drift of the machine's speed weighs

@@ -1,4 +1,4 @@
-"""scripts/compare_loops.py: every arm runs in its own process on the same work and the report
+"""benchmarks/compare_loops.py: every arm runs in its own process on the same work and the report
 holds their figures and ratios (tiny model; the real comparison is a benchmark, see docs/results.md)."""
 
 import json
@@ -14,7 +14,7 @@ def test_arms_run_and_report(tmp_path):
     output_dir = tmp_path / "report"
     command = [
         sys.executable,
-        REPO / "scripts" / "compare_loops.py",
+        REPO / "benchmarks" / "compare_loops.py",
         "--arms",
         "recipe,minimal,trainer,trainer_padded",  # recipe_monitor: the recipe arm with one flag less
     ]
@@ -48,7 +48,7 @@ def test_arms_run_and_report(tmp_path):
 def test_repeats_alternate_the_arm_order_and_ratios_pair_runs_side_by_side(tmp_path, monkeypatch):
     """Three repeats of two arms with made-up step times (no processes): the order alternates
     (a, b / b, a / a, b), and the ratios are the hand-computed ones."""
-    compare_loops = load_module(REPO / "scripts" / "compare_loops.py")
+    compare_loops = load_module(REPO / "benchmarks" / "compare_loops.py")
     step_seconds = {"recipe": [1.0, 2.0, 1.2], "minimal": [1.5, 2.0, 1.2]}
     order = []
 
