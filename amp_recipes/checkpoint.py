@@ -6,7 +6,9 @@ checkpoint is written to a temporary folder, flushed, given a completeness marke
 record of the run position and every file's size), renamed into place, and only then does the
 `latest` pointer move. Older checkpoints are rotated only after a newer one is complete.
 
-Layout: <output_dir>/checkpoints/{checkpoint-<step>/, latest}
+Layout: <output_dir>/checkpoints/{checkpoint-<step>/, latest}, and with --checkpointing_steps the
+same complete checkpoint under the name transformers' no_trainer examples give it:
+<output_dir>/epoch_<i>/ or <output_dir>/step_<n>/ (its files hard-linked: no second copy on disk).
 """
 
 from __future__ import annotations
@@ -97,15 +99,67 @@ def save_checkpoint(
     return final
 
 
+def save_example_folder(accelerator, checkpoint: Path, name: str) -> Path:
+    """The complete `checkpoint` also as <output_dir>/<name>, the folder a transformers no_trainer
+    example's --checkpointing_steps writes (epoch_<i>, step_<n>): scripts that look for it, and
+    `--resume_from_checkpoint <output_dir>/epoch_1`, find it. Its files are hard links to the
+    checkpoint's (copies where the file system has none), gathered in a staging folder that is
+    renamed when complete, so the example's name never holds a half-written folder. It holds the
+    marker, so the recipe resumes it exactly; the example's own load_state reads it as its own."""
+    checkpoint = Path(checkpoint)
+    folder = checkpoint.parent.parent / name
+    staging = folder.with_name(f".tmp-{name}")
+    if accelerator.is_main_process:
+        try:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
+            shutil.copytree(checkpoint, staging, copy_function=link_or_copy)
+            fsync_tree(staging)
+            if folder.exists():  # the same name saved again (a resumed run): replaced whole
+                shutil.rmtree(folder)
+            os.replace(staging, folder)
+            fsync_dir(folder.parent)
+        except WRITE_ERRORS as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(
+                f"Could not write {folder} ({write_failure(error)}); the checkpoint {checkpoint} is intact."
+            ) from error
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def link_or_copy(source: str, destination: str) -> None:
+    """A hard link (the checkpoint's bytes once on disk), else a copy (a file system without links)."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+def example_folders(output_dir: Path) -> dict[int, list[Path]]:
+    """The recipe's epoch_<i>/step_<n> folders in an output folder (complete: they hold the
+    marker), by the optimizer step they were saved at."""
+    found: dict[int, list[Path]] = {}
+    for path in [*Path(output_dir).glob("epoch_*"), *Path(output_dir).glob("step_*")]:
+        if (path / MARKER).is_file():
+            found.setdefault(json.loads((path / MARKER).read_text())["global_step"], []).append(path)
+    return found
+
+
 def rotate(checkpoints_dir: Path, save_total_limit: int | None, keep: str | None = None) -> None:
     """Keep the newest `save_total_limit` complete checkpoints, and the one named `keep` (the best,
-    as the Trainer keeps it); never the only complete one."""
+    as the Trainer keeps it); never the only complete one. The epoch_<i>/step_<n> folders of a
+    removed checkpoint go with it (they hold its files)."""
     if not save_total_limit:
         return
     complete = complete_checkpoints(checkpoints_dir)
-    for old in complete[: max(0, len(complete) - max(1, save_total_limit))]:
-        if old.name != keep:
-            shutil.rmtree(old)
+    removed = [
+        old for old in complete[: max(0, len(complete) - max(1, save_total_limit))] if old.name != keep
+    ]
+    examples = example_folders(Path(checkpoints_dir).parent) if removed else {}
+    for old in removed:
+        for folder in examples.get(int(old.name[len(PREFIX) :]), []):
+            shutil.rmtree(folder)
+        shutil.rmtree(old)
 
 
 def resolve_checkpoint(value: str, checkpoints_dir: Path) -> Path:

@@ -112,7 +112,8 @@ FLAGS = {
         "`--trust_remote_code true`); datasets 4 and newer run no loading scripts at all",
     ),
     "--checkpointing_steps": _same(
-        ALL, "N or epoch; checkpoints/checkpoint-<step>, not epoch_<i>/step_<n> (docs/migrating.md)"
+        ALL,
+        "N or epoch; <output_dir>/step_<n> or epoch_<i> as there (the checkpoint also in checkpoints/checkpoint-<step>)",
     ),
     "--resume_from_checkpoint": _same(
         ALL,
@@ -431,9 +432,11 @@ def example_checkpoint(path: Path) -> tuple[str, int] | None:
     accelerator.save_state (`epoch_<i>`, `step_<n>`, holding the model and the optimizer's state);
     None for a folder not so named. One so named in a layout the recipe cannot load (FSDP's or
     DeepSpeed's shards) is refused in one sentence."""
-    kind, _, number = Path(path).name.partition("_")
-    if kind not in ("epoch", "step") or not number.isdigit():
+    from .outputs import is_example_name
+
+    if not is_example_name(Path(path).name):
         return None
+    kind, _, number = Path(path).name.partition("_")
     files = {p.name for p in Path(path).iterdir()} if Path(path).is_dir() else set()
     if not (files & {"model.safetensors", "pytorch_model.bin"} and "optimizer.bin" in files):
         from .errors import CheckpointError

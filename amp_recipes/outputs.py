@@ -38,6 +38,14 @@ WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorc
 # --do_predict's files: GLUE's predict_results_<task>.txt, NER's predictions.txt, QA's predict_*.json.
 PREDICTION_PATTERNS = ("predict_results_*.txt", "predictions.txt", "predict_*.json")
 logger = get_logger(__name__)
+
+
+def is_example_name(name: str) -> bool:
+    """epoch_<i> or step_<n>: the folder names of transformers' no_trainer examples' checkpoints."""
+    kind, _, number = name.partition("_")
+    return kind in ("epoch", "step") and number.isdigit()
+
+
 _held: dict[Path, OutputDir] = {}  # this process's locks, released at exit if the run did not
 
 
@@ -163,10 +171,15 @@ class OutputDir:
     # ------------------------------------------------------------------ the run
     def clear_previous_run(self, accelerator) -> None:
         """--overwrite_output_dir, once every input has been checked: the old run's checkpoints go
-        (a later `--resume_from_checkpoint latest` must not find them), and its prediction files
-        (they would pass for this run's); its final model stays until the new one replaces it."""
-        if self.overwrite and self.is_main_process and (self.path / "checkpoints").exists():
-            shutil.rmtree(self.path / "checkpoints")
+        (a later `--resume_from_checkpoint latest` must not find them), with its epoch_<i>/step_<n>
+        folders (the no_trainer examples' names: `--resume_from_checkpoint <output_dir>/epoch_0`
+        must not find them either), and its prediction files (they would pass for this run's); its
+        final model stays until the new one replaces it."""
+        examples = [p for p in self.path.glob("*_*") if p.is_dir() and is_example_name(p.name)]
+        if self.overwrite and self.is_main_process and ((self.path / "checkpoints").exists() or examples):
+            shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
+            for folder in examples:
+                shutil.rmtree(folder)
             logger.info(f"--overwrite_output_dir: removed the previous run's checkpoints from {self.path}")
         if self.overwrite and self.is_main_process:  # --do_predict's files: this run writes its own, or none
             for pattern in PREDICTION_PATTERNS:

@@ -322,15 +322,24 @@ class TrainingRun:
         self.progress.set_postfix({k: logs[k] for k in ("loss", "loss_scale", "skipped_steps") if k in logs})
         self._record(logs)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, example_name: str | None = None) -> Path:
         """checkpoint-<step>, written aside and renamed when complete, at the loop's position; not
         again when this very position was just written (a best evaluation's checkpoint, then
         --checkpointing_steps'; a preemption right after either): writing it again would cost time,
-        the launcher's grace time after a SIGTERM, and replace a complete checkpoint."""
+        the launcher's grace time after a SIGTERM, and replace a complete checkpoint.
+        `example_name` (--checkpointing_steps: epoch_<i>, step_<n>): the same checkpoint also under
+        the name transformers' no_trainer examples give it, <output_dir>/<example_name>."""
         self._check_finite()  # AMP: never saves inf/NaN
         epoch, batches_in_epoch = self.epoch, self.batches_in_epoch
         if self.last_checkpoint and self.last_checkpoint[0] == (self.step, epoch, batches_in_epoch):
-            return self.last_checkpoint[1]
+            path = self.last_checkpoint[1]
+        else:
+            path = self._write_checkpoint(epoch, batches_in_epoch)
+        if example_name:
+            checkpoint.save_example_folder(self.accelerator, path, example_name)
+        return path
+
+    def _write_checkpoint(self, epoch: int, batches_in_epoch: int) -> Path:
         position = {
             **self.identity,
             "epoch": epoch,
@@ -382,7 +391,7 @@ class TrainingRun:
         if self.evaluated_step != self.step:
             self.evaluate(self.epoch)
         if self.args.checkpointing_steps == "epoch":
-            self.save_checkpoint()
+            self.save_checkpoint(example_name=f"epoch_{self.epoch - 1}")  # the epoch just ended, from 0
 
     # ------------------------------------------------------------------ the end
     def _write_all_results(self, summary: dict) -> None:

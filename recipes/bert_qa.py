@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max_query_length", type=int, default=64, help="Longer questions are cut to this.")
     data.add_argument("--max_train_samples", type=int, help="Use only the first N training questions.")
     data.add_argument("--max_eval_samples", type=int, help="Use only the first N validation questions.")
-    data.add_argument(
+    data.add_argument(  # off, as for GLUE and NER, where it lowered dev scores (docs/performance.md)
         "--group_by_length", action="store_true", help="Batch similar lengths together (less padding)."
     )
     arguments.add_worker_args(data)
@@ -384,7 +384,7 @@ def main(argv=None):
                 if args.eval_steps and run.step % args.eval_steps == 0:
                     run.evaluate(epoch + 1)  # every eval split: logged, and kept for eval_results.json
                 if isinstance(args.checkpointing_steps, int) and run.step % args.checkpointing_steps == 0:
-                    run.save_checkpoint()  # crash-safe: written aside, renamed when complete
+                    run.save_checkpoint(example_name=f"step_{run.step}")  # crash-safe; also as step_<n>
                 if run.preemption_requested():  # SIGTERM/SIGINT: a scheduler's notice, Ctrl-C
                     run.checkpoint_and_exit()  # a checkpoint of this step, then exit 143 / 130
                 if run.step >= schedule.max_train_steps or run.early_stopped:  # --early_stopping_patience

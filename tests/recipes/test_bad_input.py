@@ -24,6 +24,7 @@ import math
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 import traceback
@@ -112,6 +113,8 @@ def finished_run(output_dir: Path) -> None:
     write(checkpoint / "model.safetensors", "old")
     write(checkpoint / "amp_checkpoint.json", json.dumps({"files": {"model.safetensors": 11}}))
     write(output_dir / "checkpoints" / "latest", "checkpoint-1")
+    write(output_dir / "epoch_0" / "model.safetensors", "old")  # the examples' name for it (hard links)
+    write(output_dir / "epoch_0" / "amp_checkpoint.json", json.dumps({"files": {"model.safetensors": 11}}))
 
 
 def glue_run(case: Path) -> dict:
@@ -692,9 +695,8 @@ def output_cases():
         for path in sorted(out.iterdir(), reverse=True):
             if path.is_file():
                 path.unlink()
-        for path in sorted((out / "checkpoints").rglob("*"), reverse=True):
-            path.unlink() if path.is_file() else path.rmdir()
-        (out / "checkpoints").rmdir()
+        for folder in ("checkpoints", "epoch_0"):
+            shutil.rmtree(out / folder)
         write(out / "notes.txt", "mine")
 
     def locked(pid, host=None):
@@ -838,7 +840,7 @@ def test_the_matrix_covers_every_recipe_and_format():
 @pytest.mark.parametrize("recipe", ALL)
 def test_the_working_run_works_over_a_finished_run_with_a_stale_lock(recipe, tmp_path):
     """The matrix's starting point: it trains, replaces the finished run it was pointed at
-    (--overwrite_output_dir: the old checkpoints go, the model is replaced whole), and takes over
+    (--overwrite_output_dir: the old checkpoints go, epoch_0 too, the model is replaced whole), and takes over
     the lock a killed run left behind, saying so."""
     flags = WORKING_RUNS[recipe](tmp_path)
     dead = subprocess.run(
@@ -849,7 +851,7 @@ def test_the_working_run_works_over_a_finished_run_with_a_stale_lock(recipe, tmp
     assert status == 0, output[-3000:]
     assert f"Removing the stale lock {tmp_path / 'out' / LOCK}: PID {int(dead.stdout)}" in output
     out = tmp_path / "out"
-    assert not (out / "checkpoints").exists()  # the old run's
+    assert not (out / "checkpoints").exists() and not (out / "epoch_0").exists()  # the old run's
     assert (out / "model.safetensors").read_bytes() != b"old weights"
     assert json.loads((out / "eval_results.json").read_text())["train_steps"] == 1
     assert not (out / LOCK).exists() and not (out / ".final.tmp").exists()

@@ -133,6 +133,8 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     assert [p.name for p in complete_checkpoints(checkpoints)] == ["checkpoint-2"]
     assert (checkpoints / ".tmp-checkpoint-4").is_dir()  # the half-written one, never taken for a checkpoint
     assert not (checkpoints / "checkpoint-4").exists()
+    # The examples' name exists for the complete checkpoint only.
+    assert (output_dir / "step_2" / MARKER).is_file() and not (output_dir / "step_4").exists()
 
     resumed = run(
         [sys.executable, RECIPES / "bert_glue.py", *args, "--resume_from_checkpoint", "latest"], tmp_path
@@ -439,6 +441,8 @@ def test_save_total_limit_keeps_the_newest(recipe, tmp_path):
     checkpoints = output_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-4", "checkpoint-5", LATEST]
     assert (checkpoints / LATEST).read_text() == "checkpoint-5"
+    # The examples' step_<n> folders share the checkpoints' files: they go with them.
+    assert sorted(p.name for p in output_dir.glob("step_*")) == ["step_4", "step_5"]
 
 
 def test_rotation_never_deletes_the_only_complete_checkpoint(tmp_path):
@@ -483,6 +487,28 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, error):
         save_checkpoint(FakeAccelerator(error), tmp_path, 4, {"global_step": 4}, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", LATEST]
     assert json.loads((tmp_path / "checkpoint-2" / MARKER).read_text())["files"] == {"model.safetensors": 10}
+
+
+def test_disk_full_while_writing_the_examples_folder_leaves_none_under_its_name(tmp_path, monkeypatch):
+    """step_<n> is gathered aside and renamed when complete: a write failing half-way leaves no
+    folder under the example's name (nothing a resume would take for a checkpoint), no staging
+    folder, and the checkpoint itself intact."""
+    checkpoints_dir = tmp_path / "checkpoints"
+    path = save_checkpoint(FakeAccelerator(), checkpoints_dir, 2, {"global_step": 2}, None)
+    written, link_or_copy = [], checkpoint.link_or_copy
+
+    def link_then_fail(source, destination):
+        if written:  # the second file: the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(link_or_copy(source, destination))
+
+    monkeypatch.setattr(checkpoint, "link_or_copy", link_then_fail)
+    with pytest.raises(
+        CheckpointError, match=r"step_2 \(the disk is full\); the checkpoint .*checkpoint-2 is intact"
+    ):
+        checkpoint.save_example_folder(FakeAccelerator(), path, "step_2")
+    assert written and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+    assert checkpoint.read_checkpoint(path, {})["global_step"] == 2
 
 
 def test_resumed_run_continues_the_same_wandb_run(recipe, tmp_path, monkeypatch, wandb_dir):

@@ -281,6 +281,7 @@ def test_the_examples_test_command_runs_unchanged_and_leaves_all_results_json(re
     assert all(all_results[k] == results[k] for k in all_results if k in results)  # the same numbers
     checkpoints = sorted(p.name for p in (output_dir / "checkpoints").glob("checkpoint-*"))
     assert checkpoints and results["train_steps"] == int(checkpoints[-1].split("-")[1])  # one per epoch
+    assert (output_dir / "epoch_0" / MARKER).is_file()  # what the example's test asserts: epoch_0 exists
     # --with_tracking: every installed tracker, in the example's project (TensorBoard's folder).
     project = f"{migration.TRACKING_PROJECTS[recipe]}_no_trainer"
     assert (output_dir / project).is_dir() and any((output_dir / project).rglob("events.out.tfevents*"))
@@ -321,8 +322,20 @@ def test_the_readme_command_parses_and_offline_stops_with_one_sentence(recipe, b
 # ----------------------------------------------------------------------------- the example's checkpoints
 def example_save_state(folder: Path, model_dir: Path, steps: int) -> None:
     """What run_glue_no_trainer.py does up to its --checkpointing_steps save, in this process:
-    its Accelerator, model, AdamW with its parameter groups, linear schedule, batches of 2 of the
-    MRPC csv, `steps` optimizer steps, then accelerator.save_state(folder)."""
+    its objects (example_objects), `steps` optimizer steps, then accelerator.save_state(folder)."""
+    accelerator, model, optimizer, loader, scheduler = example_objects(model_dir)
+    for _, batch in zip(range(steps), loader, strict=False):
+        accelerator.backward(model(**batch).loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    accelerator.save_state(str(folder))
+    reset_accelerate()
+
+
+def example_objects(model_dir: Path):
+    """run_glue_no_trainer.py's objects, prepared as it prepares them: its Accelerator, model,
+    AdamW with its parameter groups, linear schedule, and batches of 2 of the MRPC csv."""
     from accelerate import Accelerator
     from datasets import load_dataset
     from torch.utils.data import DataLoader
@@ -356,12 +369,30 @@ def example_save_state(folder: Path, model_dir: Path, steps: int) -> None:
     optimizer = torch.optim.AdamW(groups, lr=5e-5)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=3 * len(loader))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    for _, batch in zip(range(steps), loader, strict=False):
-        accelerator.backward(model(**batch).loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-    accelerator.save_state(str(folder))
+    return accelerator, model, optimizer, loader, scheduler
+
+
+def test_the_example_loads_the_recipes_epoch_folder(base_model, tmp_path):
+    """The example's own `--resume_from_checkpoint <output_dir>/epoch_0` reads the folder the
+    recipe writes under that name: its accelerator.load_state, on the example's model, AdamW
+    groups and schedule, loads the recipe's weights, the optimizer's moments after the epoch's 24
+    steps and the schedule's position. (The recipe resuming its own folders:
+    test_round_trip.test_the_examples_checkpoint_folders_resume_exactly.)"""
+    output_dir = tmp_path / "out"
+    argv = [
+        *("--train_file", FIXTURES / "mrpc_train.csv", "--validation_file", FIXTURES / "mrpc_dev.csv"),
+        *("--model_name_or_path", base_model, "--per_device_train_batch_size", 2, "--output_dir", output_dir),
+        *("--num_train_epochs", 1, "--checkpointing_steps", "epoch", "--weight_decay", 0.0),
+    ]
+    result = run([sys.executable, RECIPES / "bert_glue.py", *map(str, argv)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    accelerator, model, optimizer, _, scheduler = example_objects(base_model)
+    accelerator.load_state(str(output_dir / "epoch_0"))
+    saved = load_file(str(output_dir / "epoch_0" / "model.safetensors"))
+    state = accelerator.unwrap_model(model).state_dict()
+    assert saved and all(torch.equal(state[key], tensor) for key, tensor in saved.items())
+    assert {int(s["step"]) for s in optimizer.state_dict()["state"].values()} == {24}
+    assert scheduler.scheduler.last_epoch == 24
     reset_accelerate()
 
 

@@ -39,9 +39,11 @@ from conftest import (
     TINY_BERT,
     Fp16OnCpu,
     accelerate_launch,
+    assert_same_training,
     engine_env,
     engine_launch,
     glue_flags,
+    history,
     load_recipe,
     log_history,
     on_model_load,
@@ -52,6 +54,9 @@ from conftest import (
 from families import glue_sentences
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
+
+from amp_recipes.checkpoint import MARKER
+from amp_recipes.outputs import is_example_name
 
 CONLL, SQUAD = REPO / "data" / "conll2003", REPO / "data" / "squad"
 STEPS = ["--max_train_steps", 4, "--learning_rate", 1e-3, "--seed", 3, "--per_device_eval_batch_size", 8]
@@ -357,6 +362,51 @@ def test_trains_saves_reloads_and_scores_the_same(
     else:
         for key, value in expected.items():
             assert math.isclose(scores(again)[key], value, rel_tol=TOLERANCE, abs_tol=TOLERANCE), key
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_examples_checkpoint_folders_resume_exactly(name, corpus, tmp_path, monkeypatch, request):
+    """--checkpointing_steps epoch and N leave the folders transformers' no_trainer examples leave,
+    <output_dir>/epoch_<i> and step_<n> (0-based epochs, optimizer steps), each a complete
+    checkpoint sharing its files with checkpoints/checkpoint-<step>; a run resumed from epoch_0 or
+    from step_3, as a user of the example types it, ends where the uninterrupted run ended: the
+    same logged losses and rates, the same final weights, bit for bit. The reading by the example's
+    own load_state: test_migration.test_the_example_loads_the_recipes_epoch_folder."""
+    # Two epochs of 4 steps for GLUE and NER (32 examples in batches of 8); QA's windows and MLM's
+    # blocks make longer epochs, whose first ends at the run's last step.
+    two_epochs = ["--num_train_epochs", 2, "--max_train_steps", 8, "--logging_steps", 1]
+    runs = {}
+    for every in ("epoch", 3):
+        output_dir = tmp_path / f"every-{every}"
+        argv = [*flags_of(name, "fp32", output_dir, corpus), *two_epochs, "--checkpointing_steps", every]
+        in_process(name, "fp32", argv, monkeypatch, request)
+        runs[every] = (output_dir, argv)
+    assert_same_training(runs["epoch"][0], runs[3][0])  # checkpointing changes nothing of the training
+    folders = [p for p in tmp_path.glob("every-*/*") if is_example_name(p.name)]
+    steps = {p.name: json.loads((p / MARKER).read_text())["global_step"] for p in folders}
+    epoch_steps = [steps[f"epoch_{i}"] for i in range(sum(k.startswith("epoch_") for k in steps))]
+    assert epoch_steps and epoch_steps == sorted(epoch_steps) and epoch_steps[-1] == 8
+    assert [k for k in sorted(steps) if k.startswith("step_")] == ["step_3", "step_6"]
+    assert not list(tmp_path.glob("every-*/.tmp-*"))  # no staging folder left behind
+    for folder in folders:  # the checkpoint's files, once on disk
+        twin = folder.parent / "checkpoints" / f"checkpoint-{steps[folder.name]}"
+        files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(twin) for p in twin.rglob("*") if p.is_file())
+        assert all((folder / f).samefile(twin / f) for f in files)
+    for every, resume_from in (("epoch", "epoch_0"), (3, "step_3")):
+        reference, argv = runs[every]
+        resumed = tmp_path / f"resumed-{resume_from}"
+        argv = [resumed if flag == reference else flag for flag in argv]
+        argv += ["--resume_from_checkpoint", reference / resume_from]
+        in_process(name, "fp32", argv, monkeypatch, request)
+        logged = [(row["step"], row["loss"], row["learning_rate"]) for row in history(resumed)]
+        expected = [(row["step"], row["loss"], row["learning_rate"]) for row in history(reference)]
+        assert logged == [row for row in expected if row[0] > steps[resume_from]]
+        again, final = (
+            load_file(str(resumed / "model.safetensors")),
+            load_file(str(reference / "model.safetensors")),
+        )
+        assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
 
 
 def assert_same_predictions(run_dir: Path, eval_dir: Path, predicted: bool) -> None:
