@@ -58,14 +58,21 @@ IN_EFFECT = {
     "bf16": ("bf16",),
     "fp8": ("fp8",),
 }  # what counts as the arm
-# A modifier of any arm: the same arm with the recipe's --gradient_checkpointing, the other memory
-# lever (fp16+gradient_checkpointing); compared with fp32 like any arm, and with the arm without it.
+# A modifier of any arm: "+<flag>", the same arm with one of the recipe's on/off flags given, e.g.
+# +gradient_checkpointing, the other memory lever (fp16+gradient_checkpointing), or
+# +group_by_length (fp32+group_by_length: what length-grouped batches buy); compared with
+# fp32 like any arm. A +gradient_checkpointing arm is also compared with the arm without it.
 CHECKPOINTED = "+gradient_checkpointing"
 
 
 def precision_of(arm: str) -> str:
     """The precision part of an arm's name: "fp16" for "fp16" and "fp16+gradient_checkpointing"."""
-    return arm.removesuffix(CHECKPOINTED)
+    return arm.split("+", 1)[0]
+
+
+def flags_of(arm: str) -> list[str]:
+    """The recipe flags an arm's modifiers give: ["--group_by_length"] for "fp32+group_by_length"."""
+    return [f"--{name}" for name in arm.split("+")[1:]]
 
 
 # Flags the pairing sets on every run; passing them to the recipe would break the pairing.
@@ -210,6 +217,12 @@ def check_before_runs(parser, args) -> None:
         parser.error("--wandb_report needs the runs in W&B: pass --report_to wandb (or all) for the recipe.")
     if args.wandb_report and importlib.util.find_spec("wandb_workspaces") is None:
         parser.error(NO_WORKSPACES)
+    modified = [arm for arm in args.arms if "+" in arm and arm != precision_of(arm) + CHECKPOINTED]
+    if args.headroom and modified:
+        parser.error(
+            f"--headroom searches each precision's largest batch (+gradient_checkpointing too), not "
+            f"{', '.join(modified)}: drop --headroom, or compare those arms in a pair of their own."
+        )
     searched = (args.output_dir / "headroom" / "results.json").is_file()  # reused, not searched again
     if args.headroom and not args.memory_budget_gb and not searched:
         import torch
@@ -282,7 +295,7 @@ def parse_arms(parser, text: str) -> list[str]:
     if unknown or not arms:
         parser.error(
             f"--arms: unknown {unknown or text!r}; choose from {', '.join(ARM_PRECISION)} (each may end in "
-            f"{CHECKPOINTED}) or auto."
+            f"+<flag>, an on/off flag of the recipe: {CHECKPOINTED}) or auto."
         )
     if arms[0] != "fp32" or len(arms) < 2 or len(set(arms)) != len(arms):
         parser.error(
@@ -313,6 +326,13 @@ def check_recipe_args(parser, args) -> dict:
                 f"the flags for {args.recipe_path.name} above are not valid: {shlex.join(args.recipe_args)}"
             )
         raise
+    for flag in {flag for arm in args.arms for flag in flags_of(arm)}:
+        action = recipe_parser._option_string_actions.get(flag)
+        if action is None or action.nargs != 0:
+            parser.error(
+                f"--arms: {flag[2:]} is not an on/off flag of {args.recipe_path.name}; an arm's +<flag> "
+                "names one (+gradient_checkpointing, +group_by_length)."
+            )
     if getattr(parsed, "gradient_checkpointing", False) and any(
         arm.endswith(CHECKPOINTED) for arm in args.arms
     ):
@@ -341,7 +361,7 @@ def launch_command(args, arm: str, seed: int, folder: Path) -> list[str]:
     flags = [
         *args.recipe_args,
         *("--mixed_precision", ARM_PRECISION[precision_of(arm)]),
-        *(["--gradient_checkpointing"] if arm.endswith(CHECKPOINTED) else []),
+        *flags_of(arm),  # its modifiers: --gradient_checkpointing, --group_by_length, ...
         *("--seed", str(seed), "--output_dir", str(folder)),
         *("--run_name", f"{args.group}-{arm}-seed{seed}", "--wandb_group", args.group),
         *("--wandb_job_type", arm, "--wandb_tags", f"{arm},seed{seed},paired"),
@@ -571,7 +591,7 @@ def compare(args, runs: list[dict]) -> dict:
     without_checkpointing = {}  # gradient checkpointing alone: each such arm against the arm keeping activations
     for arm in args.arms:
         kept = precision_of(arm)
-        if arm == kept or kept not in args.arms or "no_ratio_reason" in versus.get(arm, {}):
+        if arm != kept + CHECKPOINTED or kept not in args.arms or "no_ratio_reason" in versus.get(arm, {}):
             continue
         seeds = [s for s in args.seeds if (arm, s) in results and (kept, s) in results and s not in unpaired]
         without_checkpointing[arm] = {

@@ -160,21 +160,33 @@ def test_a_gradient_checkpointing_arm_is_compared_with_fp32_and_with_the_arm_kee
     assert summary["bf16+gradient_checkpointing/memory_drop_percent"] == pytest.approx(50.0)
 
 
-def test_the_gradient_checkpointing_arm_passes_the_flag_to_its_runs_only(tmp_path):
+def test_an_arms_modifier_passes_its_flag_to_its_runs_only(tmp_path):
     args = parse("--arms", "fp32,fp32+gradient_checkpointing", "--output_dir", str(tmp_path / "pair"))
     assert args.arms == ["fp32", "fp32+gradient_checkpointing"]
     plain = paired.launch_command(args, "fp32", 1, tmp_path / "a")
     checkpointed = paired.launch_command(args, "fp32+gradient_checkpointing", 1, tmp_path / "b")
     assert "--gradient_checkpointing" not in plain and checkpointed.count("--gradient_checkpointing") == 1
     assert checkpointed[checkpointed.index("--mixed_precision") + 1] == "no"
+    # Any on/off flag of the recipe: the length-grouping pair compares grouped batches with the shuffle.
+    args = parse("--arms", "fp32,fp32+group_by_length", "--output_dir", str(tmp_path / "grouping"))
+    grouped = paired.launch_command(args, "fp32+group_by_length", 1, tmp_path / "c")
+    assert grouped.count("--group_by_length") == 1 and "--group_by_length" not in plain
+    assert grouped[grouped.index("--mixed_precision") + 1] == "no"
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (
-            ["--arms", "fp32,fp16+compile"],
-            "unknown ['fp16+compile']; choose from fp32, fp16, bf16, fp8 (each",
+            ["--arms", "fp32,fp16+compile"],  # the benchmark's modifier; the recipe's flag is --torch_compile
+            "--arms: compile is not an on/off flag of bert_glue.py; an arm's +<flag> names one",
+        ),
+        (["--arms", "fp32,fp17"], "unknown ['fp17']; choose from fp32, fp16, bf16, fp8 (each"),
+        (["--arms", "fp32,fp32+max_seq_length"], "max_seq_length is not an on/off flag of bert_glue.py"),
+        (
+            ["--arms", "fp32,fp32+group_by_length", "--headroom", "--memory_budget_gb", "4"],
+            "--headroom searches each precision's largest batch (+gradient_checkpointing too), not "
+            "fp32+group_by_length",
         ),
         (
             ["--arms", "fp32,bf16+gradient_checkpointing", "--gradient_checkpointing"],
@@ -182,7 +194,7 @@ def test_the_gradient_checkpointing_arm_passes_the_flag_to_its_runs_only(tmp_pat
         ),
     ],
 )
-def test_gradient_checkpointing_arms_are_checked_before_any_run(argv, message, capsys):
+def test_arm_modifiers_are_checked_before_any_run(argv, message, capsys):
     with pytest.raises(SystemExit) as error:
         paired.parse_args([*argv, *glue_flags()])
     assert error.value.code == 2
