@@ -26,6 +26,7 @@ from accelerate.utils import SCALER_NAME
 
 from .errors import WRITE_ERRORS, CheckpointError, write_failure
 from .migration import example_checkpoint
+from .outputs import is_example_name
 from .records import fsync_dir, fsync_tree, write_json_atomic
 
 MARKER = "amp_checkpoint.json"  # written last: a folder without it is not a checkpoint
@@ -139,8 +140,8 @@ def example_folders(output_dir: Path) -> dict[int, list[Path]]:
     """The recipe's epoch_<i>/step_<n> folders in an output folder (complete: they hold the
     marker), by the optimizer step they were saved at."""
     found: dict[int, list[Path]] = {}
-    for path in [*Path(output_dir).glob("epoch_*"), *Path(output_dir).glob("step_*")]:
-        if (path / MARKER).is_file():
+    for path in Path(output_dir).iterdir():
+        if is_example_name(path.name) and (path / MARKER).is_file():
             found.setdefault(json.loads((path / MARKER).read_text())["global_step"], []).append(path)
     return found
 

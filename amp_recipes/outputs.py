@@ -175,12 +175,15 @@ class OutputDir:
         folders (the no_trainer examples' names: `--resume_from_checkpoint <output_dir>/epoch_0`
         must not find them either), and its prediction files (they would pass for this run's); its
         final model stays until the new one replaces it."""
-        examples = [p for p in self.path.glob("*_*") if p.is_dir() and is_example_name(p.name)]
-        if self.overwrite and self.is_main_process and ((self.path / "checkpoints").exists() or examples):
-            shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
-            for folder in examples:
-                shutil.rmtree(folder)
-            logger.info(f"--overwrite_output_dir: removed the previous run's checkpoints from {self.path}")
+        if self.overwrite and self.is_main_process:
+            examples = [p for p in self.path.iterdir() if p.is_dir() and is_example_name(p.name)]
+            if (self.path / "checkpoints").exists() or examples:
+                shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
+                for folder in examples:
+                    shutil.rmtree(folder)
+                logger.info(
+                    f"--overwrite_output_dir: removed the previous run's checkpoints from {self.path}"
+                )
         if self.overwrite and self.is_main_process:  # --do_predict's files: this run writes its own, or none
             for pattern in PREDICTION_PATTERNS:
                 for old in self.path.glob(pattern):
