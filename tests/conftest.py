@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # Set before any Hugging Face library is imported: they read these once, at import time.
@@ -123,6 +124,90 @@ def run_processes(tag: Path) -> dict[int, int]:
     return found
 
 
+def start_launch(cmd, tmp_path, own_session=False, **env):
+    """A launch started in the background, every process of it tagged AMP_SCALE_OUT_TEST=<tmp_path>
+    (run_processes finds them), its output (stderr included) on its stdout pipe; `own_session`: in
+    a process group of its own, which a test can signal as a whole."""
+    return subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        env=offline_env(tmp_path, AMP_SCALE_OUT_TEST=tmp_path, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=own_session,
+    )
+
+
+def wait_for_checkpoint(process, checkpoints: Path, name: str, timeout=300, or_later=False):
+    """Until `latest` names checkpoint `name` (`or_later`: it or a later one, for steps faster than
+    the 10 ms look)."""
+    from amp_recipes.checkpoint import LATEST
+
+    def step(checkpoint: str) -> int:
+        return int(checkpoint.rsplit("-", 1)[1])
+
+    def reached() -> bool:
+        latest = (checkpoints / LATEST).read_text().strip() if (checkpoints / LATEST).is_file() else ""
+        return latest == name or (or_later and latest and step(latest) >= step(name))
+
+    deadline = time.monotonic() + timeout
+    while not reached():
+        assert process.poll() is None, f"the run ended before {name}:\n{process.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {name} after {timeout} s"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def no_process_left_behind(tmp_path):
+    """A failed test must not leave the ranks of its launches (tagged with its tmp_path: start_launch)
+    running, or stopped, on the machine."""
+    import contextlib
+    import signal
+
+    yield
+    for pid in run_processes(tmp_path):
+        with contextlib.suppress(ProcessLookupError):  # ended since it was listed
+            os.kill(pid, signal.SIGKILL)
+
+
+def wait_gone(tag: Path, timeout=60) -> None:
+    deadline = time.monotonic() + timeout
+    while run_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not run_processes(tag), f"processes of the run still alive: {run_processes(tag)}"
+
+
+def assert_checkpoints_intact(checkpoints: Path, at_least: int) -> str:
+    """Every checkpoint-N folder is complete and intact, `latest` names the newest; returns it."""
+    from amp_recipes.checkpoint import LATEST, MARKER, complete_checkpoints, read_checkpoint
+
+    folders = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert folders == complete_checkpoints(checkpoints)  # no folder that looks valid without its marker
+    for folder in folders:
+        read_checkpoint(folder, {})  # every file its marker lists, at its size
+    latest = (checkpoints / LATEST).read_text().strip()
+    assert latest == folders[-1].name and int(latest.split("-")[1]) >= at_least
+    assert all(not (p / MARKER).exists() for p in checkpoints.glob(".tmp-*"))
+    return latest
+
+
+def torch_like(init: float, interval: int, pattern: str) -> list[float]:
+    """The rule the docs and deepspeed_zero2.yaml state for DeepSpeed: every overflow halves the
+    scale; it doubles on the (N+1)th update without overflow after the start or an overflow, then
+    every N."""
+    scale, since, scales = init, 0, []
+    for update in pattern:
+        if update == "O":
+            scale, since = max(scale / 2, 1), 0
+        else:
+            since += 1
+            if since > 1 and (since - 1) % interval == 0:
+                scale *= 2
+        scales.append(scale)
+    return scales
+
+
 # CI's time is set by CPU, not by waiting: AMP_TEST_CPU_LOG=<file> appends each test's CPU seconds
 # (this process and every finished subprocess under it, set-up and teardown included), its wall
 # seconds and its id, tab-separated, to <file>: `sort -rn <file> | head` lists what to cut first.
@@ -153,11 +238,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests need CUDA: skip them cleanly elsewhere. `full_matrix` rows run only with
-    --full-matrix, `measurement` tests only with --measurements: they are skipped, with that reason,
-    everywhere else (CI included)."""
+    """`full_matrix` rows run only with --full-matrix, `measurement` tests only with
+    --measurements: they are skipped, with that reason, everywhere else (CI included). The CUDA
+    tests (tests/gpu) skip themselves through accelerate.test_utils' require_* decorators."""
     import pytest
-    import torch
 
     left_out = {  # marker: (the option that runs its tests, the reason they are skipped without it)
         "full_matrix": ("--full-matrix", "a full_matrix row: run with --full-matrix (docs/scaling-out.md)"),
@@ -171,12 +255,6 @@ def pytest_collection_modifyitems(config, items):
             for item in items:
                 if marker in item.keywords:
                     item.add_marker(pytest.mark.skip(reason=reason))
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
 
 
 # ----------------------------------------------------------------------------- recipes in process

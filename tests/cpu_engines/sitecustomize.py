@@ -50,8 +50,7 @@ def lift_gpu_gates(setattr=setattr):
 
 def run_the_next_sitecustomize(here: Path | None = None) -> None:
     """Python imports only the first sitecustomize on its path: the next one after `here` (this
-    folder) on the path runs from here (the fp8 emulation's, for an FSDP2 + fp8 run). tests/
-    process_census chains through this too."""
+    folder) on the path runs from here (the fp8 emulation's, for an FSDP2 + fp8 run)."""
     import importlib.util
     import sys
 

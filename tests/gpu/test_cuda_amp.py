@@ -1,20 +1,18 @@
-"""The fp16/bf16 claims on a real CUDA GPU (run by scripts/gpu_check.sh; skipped without CUDA).
+"""accelerate's mixed precision on one CUDA GPU, in this process (skipped without CUDA).
 
-accelerate's real fp16 path: GradScaler active, a skipped step on an injected overflow with
-the scheduler held, scaler state through save_state/load_state; the bf16 path; our hardware
-facts. All in this one process: the recipe itself runs under fp16 (with its loss scale logged) and
-under FSDP2 in the check's fine-tunes.
+accelerate's real fp16 path: GradScaler active, a skipped step on an injected overflow with the
+scheduler held, scaler state through save_state/load_state; the bf16 path; TF32 and torch.compile
+really compiling; our hardware facts. The recipe itself on the GPU: test_recipe_on_a_gpu.py.
 """
 
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.test_utils import require_cuda
 
 from amp_recipes.hardware import hardware_record
 from amp_recipes.precision import describe_precision
-
-pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +44,7 @@ def train_step(accelerator, model, optimizer, scheduler, scale_loss=1.0):
     optimizer.zero_grad()
 
 
+@require_cuda
 def test_fp16_runs_autocast_with_a_grad_scaler():
     accelerator, model, *_ = tiny_setup("fp16")
     assert isinstance(accelerator.scaler, torch.amp.GradScaler) and accelerator.scaler.is_enabled()
@@ -56,6 +55,7 @@ def test_fp16_runs_autocast_with_a_grad_scaler():
     assert seen == [torch.float16]
 
 
+@require_cuda
 def test_injected_overflow_skips_the_step_and_holds_the_scheduler():
     accelerator, model, optimizer, scheduler = tiny_setup("fp16")
     train_step(accelerator, model, optimizer, scheduler)
@@ -73,6 +73,7 @@ def test_injected_overflow_skips_the_step_and_holds_the_scheduler():
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
+@require_cuda
 def test_injected_overflow_with_the_recipes_fused_adamw_is_seen_by_telemetry():
     """With fused AdamW the GradScaler always calls optimizer.step (the kernel skips inside), so
     accelerate's step_was_skipped misses the skip; StepTelemetry, which the recipes use to hold
@@ -102,6 +103,7 @@ def test_injected_overflow_with_the_recipes_fused_adamw_is_seen_by_telemetry():
     assert step() is False and scheduler.scheduler.last_epoch == epoch + 1
 
 
+@require_cuda
 def test_scaler_state_survives_save_and_load(tmp_path):
     accelerator, model, optimizer, scheduler = tiny_setup("fp16")
     train_step(accelerator, model, optimizer, scheduler, scale_loss=float("inf"))  # scale 65536 -> 32768
@@ -118,14 +120,21 @@ def test_scaler_state_survives_save_and_load(tmp_path):
     assert restored["_growth_tracker"] == saved["_growth_tracker"] == 3
 
 
+@require_cuda
 def test_bf16_runs_autocast_without_a_scaler():
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("bf16 needs a GPU of compute capability 8.0 or newer")
     accelerator, model, *_ = tiny_setup("bf16")
     assert accelerator.scaler is None
     assert describe_precision(accelerator, "bf16")["precision_in_effect"] == "bf16"
 
 
-def test_compiled_fp32_run_reports_the_tf32_accelerate_turns_on():
-    """accelerate's state.py sets allow_tf32 for a dynamo run without mixed precision on CUDA."""
+@require_cuda
+def test_a_compiled_fp32_model_compiles_and_runs_the_tf32_accelerate_turns_on():
+    """accelerate's state.py sets allow_tf32 for a dynamo run without mixed precision on CUDA; the
+    prepared model is compiled by inductor (dynamo's own counter of the graphs it compiled)."""
+    from torch._dynamo.utils import counters
+
     from amp_recipes.hardware import tf32_matmul_enabled
 
     # Saved and restored through the legacy flag, the API accelerate sets it with: restoring only
@@ -138,10 +147,17 @@ def test_compiled_fp32_run_reports_the_tf32_accelerate_turns_on():
         assert tf32_matmul_enabled() is True
         expected = "tf32" if major >= 8 else "fp32"
         assert describe_precision(accelerator, "no")["precision_in_effect"] == expected
+        torch._dynamo.reset()  # graphs an earlier test compiled would be reused, not counted
+        model = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()))
+        graphs = counters["stats"]["unique_graphs"]
+        inputs = torch.randn(8, 64, device=accelerator.device)
+        torch.testing.assert_close(model(inputs), model._orig_mod(inputs))
+        assert counters["stats"]["unique_graphs"] > graphs  # inductor compiled it, not eager fallback
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+@require_cuda
 def test_hardware_facts_match_the_device():
     record = hardware_record(torch.device("cuda"))
     major, minor = torch.cuda.get_device_capability()

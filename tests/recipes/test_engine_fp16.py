@@ -34,6 +34,7 @@ from conftest import (
     glue_flags,
     log_history,
     run,
+    torch_like,
 )
 from safetensors.torch import load_file
 
@@ -245,22 +246,6 @@ def deepspeed_fp16(tmp_path, cases: list[dict]) -> list[dict]:
     result = run([sys.executable, "-c", PROBE, json.dumps(cases)], tmp_path, timeout=300, **env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def torch_like(init: float, interval: int, pattern: str) -> list[float]:
-    """The rule the docs and deepspeed_zero2.yaml state for DeepSpeed: every overflow halves the
-    scale; it doubles on the (N+1)th update without overflow after the start or an overflow, then
-    every N."""
-    scale, since, scales = init, 0, []
-    for update in pattern:
-        if update == "O":
-            scale, since = max(scale / 2, 1), 0
-        else:
-            since += 1
-            if since > 1 and (since - 1) % interval == 0:
-                scale *= 2
-        scales.append(scale)
-    return scales
 
 
 def test_deepspeed_fp16_takes_the_recipes_loss_scale_flags(tmp_path, deepspeed_built):

