@@ -61,10 +61,6 @@ OFFSET, BINS = 160, 320  # frexp exponents of float32 values lie in [-148, 129]
 RECIPES = ("bert_glue", "bert_ner", "bert_qa", "bert_mlm")
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # the doctor's names, accelerate's
 SEARCH_MAX = 8192  # the largest batch a GPU search tries
-# Kept free under a GPU search's default budget: what CUDA allocates outside PyTorch's allocator
-# as a trial runs (kernels loaded on first use, library handles). With it, a trial too large fails
-# in the allocator (OutOfMemoryError: "does not fit"), not in the driver. A choice, not a measure.
-CUDA_RESERVE = 2**30
 
 
 # ----------------------------------------------------------------------------- the fp32 probe
@@ -306,14 +302,15 @@ class OutOfTime(Exception):
 
 
 def memory_budget(device: torch.device, memory_budget_gb: float | None) -> int:
-    """--memory_budget_gb, else what a run could hold: on a GPU the memory free now and what this
-    process's allocator already holds, less CUDA_RESERVE; on a CPU the memory free now and what
-    this process holds (a recipe run would hold about as much)."""
+    """--memory_budget_gb, else what a run could hold: on a GPU the card (the search caps the
+    allocator at it less what lives outside the allocator: amp_recipes.memory.cuda_budget); on a
+    CPU the memory free now and what this process holds (a recipe run would hold about as much)."""
     if memory_budget_gb:
         return int(memory_budget_gb * 2**30)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(0, free + torch.cuda.memory_reserved(device) - CUDA_RESERVE)
+        from .memory import cuda_index
+
+        return torch.cuda.mem_get_info(cuda_index(device))[1]
     import psutil
 
     return psutil.virtual_memory().available + psutil.Process().memory_info().rss
@@ -323,8 +320,9 @@ def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, d
     """The largest batch that fits `budget` bytes, `peak_at(size)` measuring one of that size.
 
     On a GPU, searched: batch sizes are tried (doubling from 1, then bisection) under
-    torch.cuda.set_per_process_memory_fraction, which makes an allocation past the budget raise
-    OutOfMemoryError as a smaller GPU would. On a CPU an allocation past the memory does not fail,
+    torch.cuda.set_per_process_memory_fraction, which makes an allocation past the budget (less
+    what lives outside the allocator: amp_recipes.memory.cuda_budget) raise OutOfMemoryError as a
+    smaller GPU would. On a CPU an allocation past the memory does not fail,
     the kernel kills the process: predicted instead, from a line through the peaks at the user's
     batch size and twice it (the weights, gradients and optimizer states are the same at any batch
     size; the activations grow with it, by the same bytes per row of the same length)."""
@@ -333,8 +331,11 @@ def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, d
     from .memory import is_out_of_memory, largest_fitting
 
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        from .memory import cuda_budget, cuda_index
+
+        index = cuda_index(device)
         total = torch.cuda.get_device_properties(index).total_memory
+        card = cuda_budget(device, budget)
         trials = {}
 
         def fits(size: int) -> bool:
@@ -354,7 +355,8 @@ def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, d
         # A cap set before (a call, or PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction) is
         # never raised by the search, and is restored after it.
         fraction_before = torch.cuda.get_per_process_memory_fraction(index)
-        torch.cuda.set_per_process_memory_fraction(min(fraction_before, budget / total), index)
+        fraction = min(fraction_before, card["allocator_cap_bytes"] / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
         try:
             largest, failed = largest_fitting(fits, 1, SEARCH_MAX, granularity=8)
             found = {"largest_batch": largest, "capped_at_search_max": failed is None}
@@ -363,8 +365,8 @@ def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, d
             found = {"largest_batch": largest, "search_stopped": "--budget_s ran out"}
         finally:
             torch.cuda.set_per_process_memory_fraction(fraction_before, index)
-        limit = min(budget, int(fraction_before * total))  # a lower cap set before is the limit
-        return {"method": "searched", **found, "budget_bytes": limit, "trials": len(trials)}
+        card["allocator_cap_bytes"] = int(fraction * total)  # a lower cap set before is the limit
+        return {"method": "searched", **found, **card, "trials": len(trials)}
     small = peak_at(batch_size)
     found = {"method": "predicted", "budget_bytes": budget}
     if small > budget / 2:  # twice the batch might not fit: the kernel would kill the process
@@ -474,12 +476,19 @@ def markdown(report: dict) -> str:
         )
     if report["not_timed_for_budget"]:
         lines.append(f"\nNot timed (--budget_s ran out): {', '.join(report['not_timed_for_budget'])}.")
-    budget = next(iter(report["largest_batch"].values()), {}).get("budget_bytes")
-    if budget:
+    card = next(iter(report["largest_batch"].values()), {})
+    if card.get("budget_bytes"):
         lines.append(
             f"\nLargest batch: every row at --max_seq_length ({report['max_seq_length']} tokens), within "
-            f"{budget / 2**30:.1f} GiB."
+            f"{card['budget_bytes'] / 2**30:.1f} GiB."
         )
+        if "allocator_cap_bytes" in card:  # a GPU's: the card less what PyTorch's allocator does not hold
+            lines[-1] += (
+                f" PyTorch's allocator held at most {card['allocator_cap_bytes'] / 2**30:.1f} GiB of it: "
+                f"{card['outside_allocator_bytes'] / 2**30:.1f} GiB lives outside it (the CUDA context, "
+                f"other processes) and {card['reserve_bytes'] / 2**30:.0f} GiB is kept free for what "
+                "CUDA adds there as a trial runs."
+            )
     lines += ["", f"## fp16 risk, from {report['probe_steps']} fp32 steps", ""]
     nearest = next(iter(risk["largest_activation_ratio"].items()), None)
     if nearest:

@@ -113,10 +113,22 @@ def huge_pages_on() -> bool:
     return transparent_huge_pages() in ("always", "madvise")
 
 
-def hardware_record(device: torch.device | None = None) -> dict:
-    import accelerate
-    import transformers
+def library_versions() -> dict:
+    """Python's and each library's version (None where not installed): every report's record of
+    what ran (hardware_record, the paired runs' W&B config)."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    found = {}
+    for name in ("amp-recipes", "torch", "transformers", "accelerate", "datasets", "evaluate", "wandb"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return {"python": platform.python_version(), **found}
+
+
+def hardware_record(device: torch.device | None = None) -> dict:
+    versions = library_versions()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cpu_model, _ = cpu_info()
     record = {
@@ -124,10 +136,7 @@ def hardware_record(device: torch.device | None = None) -> dict:
         "cpu_model": cpu_model,
         "cpu_count": torch.get_num_threads(),
         "cpu_native_bf16": cpu_has_native_bf16(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__,
+        **{name: versions[name] for name in ("python", "torch", "transformers", "accelerate")},
         "tf32_matmul_allowed": tf32_matmul_enabled(),
         "transparent_huge_pages": transparent_huge_pages(),
     }

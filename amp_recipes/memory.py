@@ -5,7 +5,10 @@ fewer of them: each encoder layer's activations are dropped after the forward an
 from the layer's input during the backward. The step costs about one more forward pass (a third
 more compute for an encoder); the activation memory falls roughly by the number of layers.
 `scripts/benchmark_precision.py --arms fp16,fp16+gradient_checkpointing` measures both on your
-device."""
+device.
+
+And what the batch-size searches (the doctor's, the benchmark's) share: what counts as "does not
+fit", the bisection, and the budget of a smaller card emulated on a CUDA GPU."""
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -69,3 +72,39 @@ def largest_fitting(fits, start: int, maximum: int, granularity: int = 1) -> tup
         else:
             smallest_fail = middle
     return largest_fit, smallest_fail
+
+
+# Kept free on the card under a CUDA budget: what CUDA allocates outside PyTorch's allocator as a
+# trial runs (kernels loaded on first use, cuBLAS workspaces, library handles). With it, a trial too
+# large fails in the allocator (OutOfMemoryError: "does not fit"), not in the driver. A choice, not
+# a measure.
+CUDA_RESERVE = 2**30
+
+
+def cuda_index(device) -> int:
+    """The CUDA device's index: accelerate's single-process device is an index-less
+    torch.device("cuda"), which torch.cuda.set_per_process_memory_fraction refuses ("Expected a
+    torch.device with a specified index")."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def cuda_budget(device, budget_bytes: int | None) -> dict:
+    """A card of `budget_bytes` (None: this card) emulated on this CUDA GPU. The caching allocator,
+    which torch.cuda.set_per_process_memory_fraction caps, may hold the budget less what lives
+    outside it now (the card's memory in use that the allocator does not hold: the CUDA context,
+    libraries' handles, other processes) less CUDA_RESERVE: capped at the whole budget, a trial
+    could use more of the card than the budget. Returns the figures the reports state."""
+    import torch
+
+    index = cuda_index(device)
+    free, total = torch.cuda.mem_get_info(index)
+    outside = max(0, total - free - torch.cuda.memory_reserved(index))
+    budget = min(budget_bytes or total, total)
+    return {
+        "budget_bytes": budget,
+        "outside_allocator_bytes": outside,
+        "reserve_bytes": CUDA_RESERVE,
+        "allocator_cap_bytes": max(0, budget - outside - CUDA_RESERVE),
+    }

@@ -242,24 +242,27 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def cuda_index(device) -> int:
-    """The CUDA device's index: accelerate's single-process device is an index-less
-    torch.device("cuda"), which torch.cuda.set_per_process_memory_fraction refuses
-    ("Expected a torch.device with a specified index")."""
-    import torch
-
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def run_worker(spec_path: str) -> None:
     """One arm at one batch size in this fresh process; writes its figures as JSON."""
     spec = json.loads(Path(spec_path).read_text())
     from amp_recipes.hardware import die_with_parent
+    from amp_recipes.memory import is_out_of_memory
 
     die_with_parent(spec["parent_pid"])  # a benchmark killed mid-trial takes its trial along
-    result = measure(
-        spec["config"], spec["arm"], spec["batch_size"], spec["warmup_steps"], spec["timed_steps"]
-    )
+    try:
+        result = measure(
+            spec["config"], spec["arm"], spec["batch_size"], spec["warmup_steps"], spec["timed_steps"]
+        )
+    except Exception as error:
+        if not is_out_of_memory(error):  # a bug or a bad setting: the parent reports the crash
+            raise
+        # Out of memory before the first step (the model's build, accelerate's prepare): does not fit.
+        result = {
+            "arm": spec["arm"],
+            "batch_size": spec["batch_size"],
+            "fits": False,
+            "failure": "out of memory",
+        }
     Path(spec["result_path"]).write_text(json.dumps(result))
 
 
@@ -272,7 +275,13 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     from amp_recipes.compiling import CompileMonitor, dynamo_plugin
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
     from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
-    from amp_recipes.memory import enable_gradient_checkpointing, gradient_checkpointing_on, is_out_of_memory
+    from amp_recipes.memory import (
+        cuda_budget,
+        cuda_index,
+        enable_gradient_checkpointing,
+        gradient_checkpointing_on,
+        is_out_of_memory,
+    )
     from amp_recipes.meters import peak_memory_since_window, start_memory_window
     from amp_recipes.optim import make_optimizer
     from amp_recipes.precision import describe_precision, fp8_layer_report, fp8_recipe_kwargs
@@ -293,12 +302,15 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     compiled = CompileMonitor(compile_flags.torch_compile)
     device = accelerator.device
     budget = config["memory_budget_gb"] and int(config["memory_budget_gb"] * 2**30)
-    if device.type == "cuda":  # emulate a smaller GPU: allocations past the budget raise OOM
+    baseline = start_memory_window(device)
+    card = None
+    if device.type == "cuda" and budget:  # a smaller GPU: allocations past its budget raise OOM
+        card = cuda_budget(device, budget)  # the allocator's share of it, stated in the result
         index = cuda_index(device)
         total = torch.cuda.get_device_properties(index).total_memory
-        # Set on every trial: under --in_process an earlier series' budget would otherwise stay.
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total) if budget else 1.0, index)
-    baseline = start_memory_window(device)
+        torch.cuda.set_per_process_memory_fraction(card["allocator_cap_bytes"] / total, index)
+    elif device.type == "cuda":  # set on every trial: under --in_process an earlier budget would stay
+        torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(device))
     set_seed(config["seed"])  # same initial weights in every arm
     model = build_model(config)
     if CHECKPOINTED in arm:  # the recipes' --gradient_checkpointing
@@ -363,7 +375,9 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     result["peak_memory_bytes"] = peak_memory_since_window(device)  # on a CPU: the process's peak RSS
     if device.type == "cuda":
         result["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
-    if budget and result["peak_memory_bytes"] > budget:
+    if card:
+        result["cuda_budget"] = card
+    elif budget and result["peak_memory_bytes"] > budget:  # a CPU's (a GPU's cap raises OOM instead)
         result["fits"], result["failure"] = False, "over the memory budget"
     if result["fits"] and step_seconds:
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)

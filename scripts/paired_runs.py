@@ -849,23 +849,13 @@ def comparison_summary(comparison: dict) -> dict:
     return summary
 
 
-def library_versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("amp-recipes", "torch", "transformers", "accelerate", "datasets", "evaluate", "wandb"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return {"python": sys.version.split()[0], **found}
-
-
 def log_to_wandb(args, comparison: dict, png: Path) -> str:
     """The pair's comparison as a W&B run of job type `comparison` in the pair's group: the summary
     (comparison_summary), a table of every arm x seed (comparison.json's rows), comparison.png,
     and the pair's config. Its id is in pair.json: a resumed pair updates the same run."""
     import wandb
+
+    from amp_recipes.hardware import library_versions
 
     columns = list(comparison["rows"][0]) if comparison["rows"] else ["arm", "seed", "status"]
     table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in comparison["rows"]])

@@ -28,6 +28,7 @@ from families import glue_sentences
 from wandb_offline import offline_run, offline_summary
 
 from amp_recipes import doctor
+from amp_recipes.memory import CUDA_RESERVE
 
 SCALED = "bert.encoder.layer.1.output.dense"
 CONLL, SQUAD = REPO / "data" / "conll2003", REPO / "data" / "squad"
@@ -254,13 +255,18 @@ class FakeGpu:
 
 def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatch):
     """On a GPU: batches doubled, then bisected to a multiple of 8, under
-    set_per_process_memory_fraction(budget / total); an out-of-memory error (the allocator's, or
+    set_per_process_memory_fraction: the allocator may hold the budget (by default the card) less
+    what lives outside it (the card's memory in use that the allocator does not hold: 80 GiB less
+    30 free, less this process's 2) less the reserve; an out-of-memory error (the allocator's, or
     the driver's) means "does not fit"; the fraction set before is restored, after an error too."""
     gpu = FakeGpu(monkeypatch)
     cuda = torch.device("cuda")
     budget = doctor.memory_budget(cuda, None)
-    assert budget == 30 * 2**30 + 2 * 2**30 - doctor.CUDA_RESERVE  # free + this process's, less the reserve
+    assert budget == gpu.total  # the card
     assert doctor.memory_budget(cuda, 16) == 16 * 2**30  # --memory_budget_gb
+    outside = (80 - 30 - 2) * 2**30
+    allocator = budget - outside - CUDA_RESERVE  # = free + this process's, less the reserve
+    assert allocator == 30 * 2**30 + 2 * 2**30 - CUDA_RESERVE
     tried, fractions_seen = [], []
 
     def peak_at(size):
@@ -277,8 +283,14 @@ def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatc
     found = doctor.largest_batch(peak_at, cuda, budget, 16, math.inf)
     assert found["method"] == "searched" and found["largest_batch"] == 288 and found["trials"] == len(tried)
     assert tried[:10] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] and tried[10:] == [384, 320, 288, 304, 296]
-    assert set(fractions_seen) == {budget / gpu.total} and gpu.fractions[-1] == 0.9
-    assert found["budget_bytes"] == budget
+    assert set(fractions_seen) == {allocator / gpu.total} and gpu.fractions[-1] == 0.9
+    assert (found["budget_bytes"], found["outside_allocator_bytes"]) == (budget, outside)
+    assert (found["allocator_cap_bytes"], found["reserve_bytes"]) == (allocator, CUDA_RESERVE)
+    # A smaller card: the allocator's cap is that budget less the same outside and reserve.
+    fractions_seen.clear()
+    smaller = doctor.largest_batch(peak_at, cuda, 64 * 2**30, 16, math.inf)
+    assert set(fractions_seen) == {(64 * 2**30 - outside - CUDA_RESERVE) / gpu.total}
+    assert smaller["budget_bytes"] == 64 * 2**30
     # --budget_s ends the search: what fit so far is a lower bound (shown "N+").
     clock = itertools.count()
     monkeypatch.setattr(doctor.time, "monotonic", lambda: next(clock))
@@ -299,7 +311,7 @@ def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatc
     fractions_seen.clear()
     capped = doctor.largest_batch(peak_at, cuda, budget, 16, 10**9)
     assert set(fractions_seen) == {0.2} and gpu.fractions[-1] == 0.2
-    assert capped["budget_bytes"] == int(0.2 * gpu.total)
+    assert capped["allocator_cap_bytes"] == int(0.2 * gpu.total)
 
 
 def test_a_timed_step_holds_the_optimizers_states_when_fp16_skips_every_step():

@@ -381,12 +381,13 @@ def test_memory_budget_gets_a_cuda_index_torch_accepts(monkeypatch):
 
     from torch.cuda._utils import _get_device_index
 
-    benchmark = load_module(SCRIPT)
+    from amp_recipes.memory import cuda_index
+
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
         _get_device_index(torch.device("cuda"), optional=False)  # what torch does with the bare device
-    assert _get_device_index(benchmark.cuda_index(torch.device("cuda")), optional=False) == 0
-    assert benchmark.cuda_index(torch.device("cuda", 3)) == 3
+    assert _get_device_index(cuda_index(torch.device("cuda")), optional=False) == 0
+    assert cuda_index(torch.device("cuda", 3)) == 3
 
 
 def test_compare_runs_on_two_real_fine_tunes(tmp_path):
@@ -525,3 +526,40 @@ def test_the_qa_head_at_a_squad_length_under_the_benchmark(tmp_path):
     assert "qa head, seq_len 384" in (tmp_path / "out" / "results.md").read_text()
     refused = run([sys.executable, SCRIPT, "--task_name", "mrpc", "--head", "token"], tmp_path)
     assert refused.returncode == 2 and "--task_name times GLUE batches" in refused.stderr
+
+
+def test_a_fresh_trial_out_of_memory_before_its_first_step_does_not_fit(tmp_path, monkeypatch):
+    """A fresh-process trial whose model build or prepare() runs out of memory (measure raises
+    before any step, as a GPU would) writes "does not fit", as the in-process trial does; any other
+    error stays the crash its parent reports."""
+    import amp_recipes.hardware
+
+    script = load_module(SCRIPT)
+    monkeypatch.setattr(amp_recipes.hardware, "die_with_parent", lambda pid: None)  # no parent to die with
+    spec = {
+        "config": {},
+        "arm": "fp16",
+        "batch_size": 64,
+        "warmup_steps": 1,
+        "timed_steps": 1,
+        "parent_pid": 0,
+    }
+    spec["result_path"] = str(tmp_path / "result.json")
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(script, "measure", out_of_memory)
+    script.run_worker(str(tmp_path / "spec.json"))
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {"arm": "fp16", "batch_size": 64, "fits": False, "failure": "out of memory"}
+
+    def broken(*args):
+        raise RuntimeError("expected scalar type Half but found Float")
+
+    monkeypatch.setattr(script, "measure", broken)
+    (tmp_path / "result.json").unlink()
+    with pytest.raises(RuntimeError, match="expected scalar type"):
+        script.run_worker(str(tmp_path / "spec.json"))
+    assert not (tmp_path / "result.json").exists()
