@@ -718,8 +718,8 @@ def main(argv=None, started: float | None = None) -> dict:
     parser.add_argument(
         "--memory_budget_gb",
         type=float,
-        help="The memory the largest batch must fit (default: on a GPU what is free and what this "
-        "process already holds, less 1 GiB; on a CPU what is free and what this process holds).",
+        help="The memory the largest batch must fit (default: on a GPU the card, less what lives outside "
+        "PyTorch's allocator and 1 GiB; on a CPU what is free and what this process holds).",
     )
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="-- then the recipe's own flags.")
     args = parser.parse_args(argv)

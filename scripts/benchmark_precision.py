@@ -107,7 +107,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--memory_budget_gb",
         type=float,
-        help="Cap for the batch-size search (a smaller GPU; required on a CPU).",
+        help="Budget of the batch-size search (required on a CPU; on CUDA a smaller GPU, default the card).",
     )
     parser.add_argument("--no_search", action="store_true", help="Skip the max-batch-size search.")
     parser.add_argument("--search_start", type=int, default=8)
@@ -304,13 +304,12 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     budget = config["memory_budget_gb"] and int(config["memory_budget_gb"] * 2**30)
     baseline = start_memory_window(device)
     card = None
-    if device.type == "cuda" and budget:  # a smaller GPU: allocations past its budget raise OOM
+    if device.type == "cuda":  # the budget's card (no budget: this one), as the doctor's search has
         card = cuda_budget(device, budget)  # the allocator's share of it, stated in the result
         index = cuda_index(device)
         total = torch.cuda.get_device_properties(index).total_memory
+        # Set on every trial: an allocation past the cap raises OOM, as on a card of that size.
         torch.cuda.set_per_process_memory_fraction(card["allocator_cap_bytes"] / total, index)
-    elif device.type == "cuda":  # set on every trial: under --in_process an earlier budget would stay
-        torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(device))
     set_seed(config["seed"])  # same initial weights in every arm
     model = build_model(config)
     if CHECKPOINTED in arm:  # the recipes' --gradient_checkpointing

@@ -3,7 +3,7 @@
     bash scripts/gpu_check.sh --output_dir gpu_check_results
     bash scripts/gpu_check.sh --dry_run --output_dir /tmp/gpu_check    # the same parts on a CPU
 
-Three parts, in this order, each in processes of its own; a part that fails does not stop the next:
+Three parts, one after the other; a part that fails (or crashes) does not stop the next:
 
 1. suite: `pytest tests/gpu`, each test stopped by pytest-timeout after --test_timeout_s: accelerate's
    fp16/bf16/fp8 paths, TF32 and torch.compile, the recipe's fine-tunes per precision and the saved
@@ -41,9 +41,16 @@ BERT_BASE = REPO / "data" / "models" / "bert-base-uncased"
 # The dry run's model: BERT-base's vocabulary and layout, shrunk so a CPU trains it in seconds.
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 PARTS = ("suite", "doctor", "paired")
-# Not measured on a GPU yet: the longest test launches two 9-step fine-tunes, or a fine-tune and its
-# resume; a first torch.compile without a cache takes 40-90 s (issue #63).
+# Not measured on a GPU yet: the longest tests launch two 60-step BERT-base fine-tunes, or a
+# 250-step run and its resume; a first torch.compile without a cache takes 40-90 s (issue #63).
 TEST_TIMEOUT_S = 600
+# Every part reads the checkout's files only: the Hub and the libraries' lookups stay offline.
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_EVALUATE_OFFLINE": "1",
+}
 
 
 def parse_args(argv=None):
@@ -62,10 +69,10 @@ def parse_args(argv=None):
         help=f"pytest-timeout's limit for each test of the suite (default {TEST_TIMEOUT_S}).",
     )
     args = parser.parse_args(argv)
-    args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
-    unknown = sorted(set(args.parts) - set(PARTS))
-    if unknown or not args.parts:
-        parser.error(f"--parts: unknown {unknown or args.parts}; choose from {', '.join(PARTS)}.")
+    asked = {part.strip() for part in args.parts.split(",") if part.strip()}
+    if not asked or asked - set(PARTS):
+        parser.error(f"--parts {args.parts!r}: choose one or more of {', '.join(PARTS)}.")
+    args.parts = [part for part in PARTS if part in asked]  # always in the check's order
     return args
 
 
@@ -86,33 +93,46 @@ def run_part(name: str, command: list, out: Path) -> tuple[int, float]:
     """The part's command, its output in <out>/<name>.log; (exit code, seconds)."""
     print(f"[{name}] {' '.join(map(str, command))}", flush=True)
     started = time.monotonic()
+    # Offline; and a test-CPU log of an enclosing pytest (AMP_TEST_CPU_LOG) is not the suite's to write.
+    env = {**{k: v for k, v in os.environ.items() if k != "AMP_TEST_CPU_LOG"}, **OFFLINE}
     with open(out / f"{name}.log", "w") as log:
         code = subprocess.run(
-            [str(c) for c in command], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            [str(c) for c in command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
         ).returncode
     return code, round(time.monotonic() - started, 1)
 
 
 def suite(args, out: Path, work: Path) -> dict:
+    import importlib.util
+
+    missing = [name for name in ("pytest", "pytest_timeout") if importlib.util.find_spec(name) is None]
+    if missing:
+        why = f'{" and ".join(missing)} not installed: pip install -e ".[gpu-check]"'
+        return {"ok": False, "why": why, "seconds": 0.0}
     junit = out / "pytest.xml"
     command = [sys.executable, "-m", "pytest", "tests/gpu", "-rs", "-p", "no:cacheprovider"]
     command += [f"--timeout={args.test_timeout_s}", f"--junitxml={junit}"]
     code, seconds = run_part("suite", command, out)
-    counts = {}
+    counts, failed = {}, []
     if junit.exists():
         root = ElementTree.parse(junit).getroot()
         tests = root if root.tag == "testsuite" else root.find("testsuite")
         counts = {key: int(tests.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+        failed = [
+            f"{case.get('classname')}::{case.get('name')}"
+            for case in tests.iter("testcase")
+            if case.find("failure") is not None or case.find("error") is not None
+        ]
     passed = counts.get("tests", 0) - sum(counts.get(key, 0) for key in ("failures", "errors", "skipped"))
     # On a GPU the one-GPU tests must run; on a CPU (the dry run) every test skips itself.
     ok = code == 0 and bool(counts) and (args.dry_run or passed > 0)
     why = "" if ok else ("no test ran: no CUDA GPU" if code == 0 and counts else f"pytest exited {code}")
-    return {"ok": ok, "why": why, "seconds": seconds, "passed": passed, **counts}
+    return {"ok": ok, "why": why, "seconds": seconds, "passed": passed, **counts, "failed": failed}
 
 
 def doctor(args, out: Path, work: Path) -> dict:
     model = random_bert(work / "doctor-model", **(TINY if args.dry_run else {}))
-    # On a GPU the doctor's own defaults (the card's free memory), within --budget_s.
+    # On a GPU the doctor's own defaults (the card itself as the budget), within its --budget_s.
     sizes = (
         ["--probe_steps", 2, "--timed_steps", 2, "--memory_budget_gb", 4]
         if args.dry_run
@@ -183,16 +203,21 @@ def figures_lines(summary: dict) -> list[str]:
         ]
         for precision, speed in doctor_part["speed"].items():
             largest = doctor_part.get("largest_batch", {}).get(precision, {})
-            batch = largest.get("largest_batch") or largest.get("why", "not measured")
+            batch = largest.get("largest_batch")
+            if batch is None:
+                batch = largest.get("why", "not measured")
+            elif largest.get("search_stopped") or largest.get("capped_at_search_max"):
+                batch = f"{batch}+"  # a lower bound, as doctor.md writes it
             lines.append(
                 f"| {precision} | {speed['step_time_s'] * 1000:.1f} | {speed['peak_memory_bytes'] / 2**30:.2f} | {batch} |"
             )
     paired_part = summary["parts"].get("paired", {})
     if paired_part.get("speedup") is not None:
         verdicts = ", ".join(f"{name} {verdict}" for name, verdict in paired_part["metrics"].items())
+        seeds = "one seed" if paired_part["seeds"] == 1 else f"the mean over {paired_part['seeds']} seeds"
         lines += [
             "",
-            f"Paired runs, {paired_part['arm']} against fp32 (mean over {paired_part['seeds']} seed(s)): speedup "
+            f"Paired runs, {paired_part['arm']} against fp32 ({seeds}): speedup "
             f"{paired_part['speedup']:.2f}x, peak-memory drop {paired_part['memory_drop_percent']:.1f}%; {verdicts}.",
         ]
     return lines
@@ -214,6 +239,7 @@ def write_summary(summary: dict, out: Path) -> None:
     if suite_part:
         lines += ["", f"Suite: {suite_part.get('passed', 0)} passed, {suite_part.get('skipped', 0)} skipped "]
         lines[-1] += "(pytest.xml and suite.log say which and why)."
+        lines += [f"- failed: {name}" for name in suite_part.get("failed", [])]
     lines += figures_lines(summary)
     reports = {"doctor": "doctor/doctor.md (the doctor)", "paired": "paired/comparison.md (the paired runs)"}
     if set(reports) & set(summary["parts"]):
@@ -239,9 +265,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from amp_recipes.hardware import hardware_record
 
-    hardware = (
-        hardware_record()
-    )  # the device, its facts and the library versions, as every report records them
+    hardware = hardware_record()  # the device, its facts, the library versions: as every report has them
     summary = {
         "verdict": "running",
         "dry_run": args.dry_run,
@@ -250,9 +274,19 @@ def main(argv=None) -> int:
         "parts": {},
     }
     work = Path(tempfile.mkdtemp(prefix="amp-gpu-check-"))
+    parts = {"suite": suite, "doctor": doctor, "paired": paired}
     try:
         for name in args.parts:
-            summary["parts"][name] = globals()[name](args, out, work)
+            started = time.monotonic()
+            try:
+                summary["parts"][name] = parts[name](args, out, work)
+            except Exception as error:  # noqa: BLE001 - a crashed part is its verdict, not the check's end
+                why = f"crashed: {type(error).__name__}: {error}"
+                summary["parts"][name] = {
+                    "ok": False,
+                    "why": why,
+                    "seconds": round(time.monotonic() - started, 1),
+                }
             write_summary(summary, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -5,6 +5,6 @@
 # says: `pip install -r requirements.txt` (after the CUDA build of torch), then
 # `pip install -e ".[gpu-check]"` for pytest and pytest-timeout.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"  # the interpreter that has torch
-exec "$PYTHON" scripts/gpu_check.py "$@"
+# From the caller's folder: a relative --output_dir is the caller's. The parts run in the checkout.
+exec "$PYTHON" "$(dirname "$0")/gpu_check.py" "$@"

@@ -158,17 +158,22 @@ def wait_for_checkpoint(process, checkpoints: Path, name: str, timeout=300, or_l
         time.sleep(0.01)
 
 
+def kill_runs(tag: Path) -> None:
+    """SIGKILL every live process tagged AMP_SCALE_OUT_TEST=<tag> (start_launch)."""
+    import contextlib
+    import signal
+
+    for pid in run_processes(tag):
+        with contextlib.suppress(ProcessLookupError):  # ended since it was listed
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def no_process_left_behind(tmp_path):
     """A failed test must not leave the ranks of its launches (tagged with its tmp_path: start_launch)
     running, or stopped, on the machine."""
-    import contextlib
-    import signal
-
     yield
-    for pid in run_processes(tmp_path):
-        with contextlib.suppress(ProcessLookupError):  # ended since it was listed
-            os.kill(pid, signal.SIGKILL)
+    kill_runs(tmp_path)
 
 
 def wait_gone(tag: Path, timeout=60) -> None:

@@ -43,7 +43,9 @@ SMALL = glue_flags(max_train_samples=64, per_device_train_batch_size=4, logging_
 
 
 def launch(tmp_path, *args, **env):
-    result = run(accelerate_launch(*args), tmp_path, **env)
+    """A launch to its end, its processes tagged for no_process_left_behind; the suite's
+    pytest-timeout bounds it."""
+    result = run(accelerate_launch(*args), tmp_path, timeout=None, AMP_SCALE_OUT_TEST=tmp_path, **env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -154,7 +156,7 @@ def test_a_rank_killed_mid_run_ends_every_rank_in_one_sentence_and_the_run_resum
     latest = assert_checkpoints_intact(output_dir / "checkpoints", at_least=10)
 
     resumed = start_launch([*cmd, "--resume_from_checkpoint", "latest"], tmp_path)
-    resumed_output, _ = resumed.communicate(timeout=600)
+    resumed_output, _ = resumed.communicate()  # bounded by the suite's pytest-timeout
     assert resumed.returncode == 0, resumed_output[-3000:]
     assert f"{latest} at step {latest.split('-')[1]}" in resumed_output
     assert (output_dir / "eval_results.json").is_file()

@@ -3,7 +3,7 @@
 fp32, fp16 and bf16 fine-tunes of BERT-base's architecture (random weights, dropout off) on the
 same MRPC batch and seed: each runs its precision, the fp16 run with a loss scale, and their losses
 agree. The saved fp16 model, reloaded with --eval_only, scores what its run wrote. --torch_compile
-compiles the model; --mixed_precision fp8 runs fp8 Linear layers where the GPU and torchao allow.
+compiles the model under fp16; --mixed_precision fp8 runs fp8 Linear layers where the GPU and torchao allow.
 """
 
 import functools
@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.test_utils import require_cuda, require_fp8, require_torchao
-from conftest import BERT_BASE_CONFIG, GLUE_DIR, RECIPES, TINY_BERT, accelerate_launch, log_history, run
+from conftest import (
+    BERT_BASE_CONFIG,
+    GLUE_DIR,
+    RECIPES,
+    TINY_BERT,
+    accelerate_launch,
+    kill_runs,
+    log_history,
+    run,
+)
 
 # The agreement: over the last quarter of the logged steps, the fp16 (bf16) run's mean loss may
 # differ from fp32's by at most this fraction of what fp32 learned (its mean loss over the first
@@ -41,6 +50,20 @@ def work(tmp_path_factory):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def no_run_left_behind(work, tmp_path):
+    """A test that pytest-timeout stopped leaves no launch of its own holding the GPU for the next."""
+    yield
+    kill_runs(work)
+    kill_runs(tmp_path)
+
+
+def launch(cmd, tag: Path):
+    """`cmd` to its end, its processes tagged with `tag`; the suite's pytest-timeout bounds it."""
+    result = run(cmd, tag, timeout=None, AMP_SCALE_OUT_TEST=tag)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @functools.cache
 def bert_base(work: Path) -> Path:
     """bert-base-uncased's architecture and tokenizer from the checkout, random weights, no dropout."""
@@ -64,8 +87,7 @@ def finetune(work: Path, mixed_precision: str) -> Path:
         "--num_processes", 1, RECIPES / "bert_glue.py", *FINETUNE, "--mixed_precision", mixed_precision,
         "--model_name_or_path", bert_base(work), "--output_dir", output_dir,
     )  # fmt: skip
-    result = run(cmd, work)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch(cmd, work)
     return output_dir
 
 
@@ -78,7 +100,7 @@ def losses(output_dir: Path) -> list[float]:
 
 
 def needs_bf16():
-    if not torch.cuda.is_bf16_supported():
+    if not torch.cuda.is_bf16_supported(including_emulation=False):  # native, as the recipes require
         pytest.skip("bf16 needs a GPU of compute capability 8.0 or newer")
 
 
@@ -125,8 +147,7 @@ def test_the_saved_fp16_model_reloads_to_its_scores(work):
         "--num_processes", 1, RECIPES / "bert_glue.py", *FINETUNE, "--mixed_precision", "fp16",
         "--model_name_or_path", trained, "--eval_only", "--output_dir", reloaded,
     )  # fmt: skip
-    result = run(cmd, work)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch(cmd, work)
     written, scored = results(trained), results(reloaded)
     scores = {key: value for key, value in written.items() if key.startswith("eval_")}
     assert scores and scores == {key: value for key, value in scored.items() if key.startswith("eval_")}
@@ -134,13 +155,11 @@ def test_the_saved_fp16_model_reloads_to_its_scores(work):
 
 @require_cuda
 def test_torch_compile_compiles_the_recipes_model(tmp_path):
-    needs_bf16()
     cmd = accelerate_launch(
-        "--num_processes", 1, RECIPES / "bert_glue.py", *FINETUNE, "--mixed_precision", "bf16",
+        "--num_processes", 1, RECIPES / "bert_glue.py", *FINETUNE, "--mixed_precision", "fp16",
         "--model_name_or_path", TINY_BERT, "--max_train_steps", 8, "--torch_compile", "--output_dir", tmp_path,
     )  # fmt: skip
-    result = run(cmd, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch(cmd, tmp_path)
     compiled = results(tmp_path)
     assert compiled["compiled_graphs"] > 0 and compiled["recompile_limit_hit"] is False
     assert all(map(math.isfinite, losses(tmp_path)))
@@ -156,8 +175,7 @@ def test_fp8_runs_fp8_linear_layers(work, tmp_path):
         "--num_processes", 1, RECIPES / "bert_glue.py", *FINETUNE, "--mixed_precision", "fp8",
         "--model_name_or_path", bert_base(work), "--max_train_steps", 8, "--output_dir", tmp_path,
     )  # fmt: skip
-    result = run(cmd, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch(cmd, tmp_path)
     fp8 = results(tmp_path)
     assert fp8["precision_in_effect"] == "fp8" and fp8["fp8_emulated"] is False
     assert fp8["fp8_linear_layers"] > 0

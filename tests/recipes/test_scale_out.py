@@ -243,16 +243,22 @@ def test_a_signal_to_the_whole_launch_checkpoints_and_the_run_resumes(processes,
     assert process.returncode == (143 if relaying else -signal.SIGTERM if processes == 1 else 1), output[
         -3000:
     ]
-    assert "Stopped by SIGTERM after step" in output, output[-3000:]
     wait_gone(tmp_path, timeout=10)
     latest = assert_checkpoints_intact(output_dir / "checkpoints", at_least=5)
     stopped_at = output_dir / "checkpoints" / latest
-    assert f"checkpoint {stopped_at}. Continue with" in output  # the one it stopped with,
-    # Written once (step 10 of 2 processes: a --checkpointing_steps one): accelerate's line at the
-    # start of each save. Not our "Saved checkpoint" line at its end: when the signal lands in the
-    # step's own save, that INFO line is sometimes missing from the output (seen 1 run in 10 here,
-    # the checkpoint whole; not explained yet).
-    assert output.count(f"Saving current state to {stopped_at.parent / ('.tmp-' + latest)}\n") == 1
+    # accelerate >= 1.16's one-process launcher copies the run's stderr chunk by chunk
+    # (commands/launch.py, _run_subprocess: `while chunk := read1(...)`, then write) and its SIGTERM
+    # handler raises SystemExit wherever the copy is: landing between a read and its write, it drops
+    # that chunk (seen 1 run in 10 beside CI's lanes: the "Stopped by" sentence, or an earlier
+    # "Saved checkpoint" line, missing; the checkpoint whole, 143). Through that launcher a line may
+    # be missing, never wrong; torchrun's ranks write to the terminal themselves.
+    lossy = processes == 1 and relaying
+    stop = f"Stopped by SIGTERM after step {latest.split('-')[1]}; checkpoint {stopped_at}. Continue with"
+    # The sentence names the checkpoint it stopped with, and that checkpoint was written once (step
+    # 10 of 2 processes is a --checkpointing_steps one): accelerate's line at the start of each save.
+    assert stop in output or (lossy and "Stopped by" not in output), output[-3000:]
+    saves = output.count(f"Saving current state to {stopped_at.parent / ('.tmp-' + latest)}\n")
+    assert saves == 1 or (lossy and saves == 0), output[-3000:]
     assert not (output_dir / "eval_results.json").exists()
 
     resumed = start([*launch, "--resume_from_checkpoint", "latest"], tmp_path)

@@ -8,7 +8,7 @@ import sys
 import xml.etree.ElementTree as ElementTree
 
 import pytest
-from conftest import REPO, run
+from conftest import REPO, load_module, run
 
 pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
 
@@ -55,3 +55,29 @@ def test_a_suite_with_no_gpu_to_run_on_reads_not_ok(tmp_path):
     assert summary["verdict"] == "NOT OK"
     assert summary["parts"]["suite"]["why"] == "no test ran: no CUDA GPU"
     assert "| suite | NOT OK: no test ran: no CUDA GPU |" in (out / "summary.md").read_text()
+
+
+def test_a_part_that_crashes_reads_not_ok_and_the_next_part_still_runs(tmp_path, monkeypatch):
+    """--parts in any order, repeated, runs each part once in the check's order; a part that raises
+    is that part's verdict, with its error, and the parts after it run."""
+    check = load_module(REPO / "scripts" / "gpu_check.py")
+    assert check.parse_args(["--parts", "paired,suite,paired", "--output_dir", "x"]).parts == [
+        "suite",
+        "paired",
+    ]
+    with pytest.raises(SystemExit):  # argparse's error line, exit 2
+        check.parse_args(["--parts", "suite,tests", "--output_dir", "x"])
+
+    def crash(args, out, work):
+        raise RuntimeError("no such model")
+
+    def finish(args, out, work):
+        return {"ok": True, "why": "", "seconds": 0.0}
+
+    monkeypatch.setattr(check, "suite", crash)
+    monkeypatch.setattr(check, "paired", finish)
+    assert check.main(["--parts", "suite,paired", "--output_dir", str(tmp_path)]) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verdict"] == "NOT OK" and summary["parts"]["paired"]["ok"] is True
+    assert summary["parts"]["suite"]["why"] == "crashed: RuntimeError: no such model"
+    assert "| suite | NOT OK: crashed: RuntimeError: no such model |" in (tmp_path / "summary.md").read_text()
