@@ -159,13 +159,15 @@ def wait_for_checkpoint(process, checkpoints: Path, name: str, timeout=300, or_l
 
 
 def kill_runs(tag: Path) -> None:
-    """SIGKILL every live process tagged AMP_SCALE_OUT_TEST=<tag> (start_launch)."""
+    """SIGKILL every live process tagged AMP_SCALE_OUT_TEST=<tag> (start_launch), and wait until
+    they are gone (on a GPU: their memory is free for the next test)."""
     import contextlib
     import signal
 
     for pid in run_processes(tag):
         with contextlib.suppress(ProcessLookupError):  # ended since it was listed
             os.kill(pid, signal.SIGKILL)
+    wait_gone(tag, timeout=30)
 
 
 @pytest.fixture
@@ -228,6 +230,9 @@ def pytest_runtest_protocol(item, nextitem):
             handle.write(f"{cpu:.1f}\t{after.elapsed - before.elapsed:.1f}\t{item.nodeid}\n")
 
 
+GPU_TEST_TIMEOUT_S = 900  # a plain `pytest tests/gpu`'s limit per test
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--full-matrix",
@@ -260,6 +265,12 @@ def pytest_collection_modifyitems(config, items):
             for item in items:
                 if marker in item.keywords:
                     item.add_marker(pytest.mark.skip(reason=reason))
+    # A limit for each CUDA test where no --timeout was given (scripts/gpu_check.py gives its
+    # --test_timeout_s): a collective that never completes (NCCL) fails the test, not hangs it.
+    if config.pluginmanager.hasplugin("timeout") and not config.getoption("timeout", None):
+        for item in items:
+            if Path(item.path).parent.name == "gpu":
+                item.add_marker(pytest.mark.timeout(GPU_TEST_TIMEOUT_S))
 
 
 # ----------------------------------------------------------------------------- recipes in process

@@ -44,8 +44,10 @@ SMALL = glue_flags(max_train_samples=64, per_device_train_batch_size=4, logging_
 
 def launch(tmp_path, *args, **env):
     """A launch to its end, its processes tagged for no_process_left_behind; the suite's
-    pytest-timeout bounds it."""
-    result = run(accelerate_launch(*args), tmp_path, timeout=None, AMP_SCALE_OUT_TEST=tmp_path, **env)
+    pytest-timeout bounds it. HF_HOME of its own: the machine's default accelerate config (under
+    HF_HOME) stays out, the launch takes only the config file it names."""
+    env = {"AMP_SCALE_OUT_TEST": tmp_path, "HF_HOME": tmp_path / "hf-home", **env}
+    result = run(accelerate_launch(*args), tmp_path, timeout=None, **env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -88,24 +90,28 @@ def test_ddp_fp16_skips_an_overflowed_step_on_every_rank(tmp_path):
     assert result.stderr.count("fp16 overflow, optimizer step skipped") == 2, result.stderr[-3000:]
     assert "first non-finite value: gradient at the output of" in result.stderr
     assert [skipped for _, _, skipped in steps(output_dir)] == [1, 2, 2, 2, 2, 2]
+    rates = [row["learning_rate"] for row in log_history(output_dir) if "loss" in row]
+    assert rates[0] == rates[1] != rates[2]  # the schedule held on both skipped steps, then moved
     assert all(math.isfinite(loss) for loss in losses(output_dir))
 
 
 @require_multi_gpu
 def test_fsdp2_fp16_grows_its_scale_and_resumes_to_the_same_steps(tmp_path):
-    """fsdp.yaml's own fp16 from a scale of 32768 that doubles after 3 steps without overflow: no
-    first-step overflow (the loss reaches backward in fp32), 65536 after step 3, 131072 after step
-    6. Resumed from checkpoint-4: steps 5-8 log the same scales and skips, and the same losses to
+    """fsdp.yaml's own fp16 from a scale of 32768 that doubles after 4 steps without overflow: no
+    first-step overflow (the loss reaches backward in fp32), 65536 after step 4 and 131072 after
+    step 8, logged but never used (at 131072 a gradient of 0.5 would overflow fp16 and make the
+    sequence depend on the batch). Resumed from checkpoint-4, whose scaler has just grown: steps
+    5-8 log the same scales and skips, and the same losses to
     within GPU kernels' run-to-run rounding (non-deterministic atomics; on CPU,
     tests/recipes/test_engine_fp16.py asserts losses and weights bit for bit)."""
-    fp16 = ["--fp16_init_scale", 32768, "--fp16_growth_interval", 3, "--max_train_steps", 8]
+    fp16 = ["--fp16_init_scale", 32768, "--fp16_growth_interval", 4, "--max_train_steps", 8]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     fsdp = ["--config_file", CONFIGS / "fsdp.yaml", *TWO_GPUS, GLUE, *SMALL, *fp16]
     launch(tmp_path, *fsdp, "--checkpointing_steps", 4, "--output_dir", full)
     saved = json.loads((full / "eval_results.json").read_text())
     assert (saved["distributed_type"], saved["precision_in_effect"]) == ("FSDP", "fp16")
     assert steps(full) == [
-        (1, 32768, 0), (2, 32768, 0), (3, 65536, 0), (4, 65536, 0), (5, 65536, 0), (6, 131072, 0), (7, 131072, 0), (8, 131072, 0)
+        (1, 32768, 0), (2, 32768, 0), (3, 32768, 0), (4, 65536, 0), (5, 65536, 0), (6, 65536, 0), (7, 65536, 0), (8, 131072, 0)
     ]  # fmt: skip
     checkpoint = full / "checkpoints" / "checkpoint-4"
     launch(tmp_path, *fsdp, "--resume_from_checkpoint", checkpoint, "--output_dir", resumed)
@@ -119,7 +125,8 @@ def test_zero2_fp16_loss_scaler_follows_the_recipes_flags(tmp_path):
     """--fp16_init_scale 1024 --fp16_growth_interval 3 in DeepSpeed's own scaler
     (tests/gpu/deepspeed_loss_scale.py reads engine.optimizer.loss_scale after every step), with
     an overflow injected at step 2: halved there, doubled on the 4th clean step after it, then
-    every 3 — the rule docs/scaling-out.md states, as torch's GradScaler does."""
+    every 3 — DeepSpeed's DynamicLossScaler (one clean step later than torch's GradScaler), the
+    rule the ZeRO configs state and tests/recipes checks through DeepSpeed's own scaler on a CPU."""
     report = tmp_path / "scales.json"
     launch(
         tmp_path, "--config_file", CONFIGS / "deepspeed_zero2.yaml", *TWO_GPUS, REPO / "tests" / "gpu" / "deepspeed_loss_scale.py",
@@ -142,7 +149,7 @@ def test_a_rank_killed_mid_run_ends_every_rank_in_one_sentence_and_the_run_resum
         max_train_samples=2000, per_device_train_batch_size=4, num_train_epochs=1, checkpointing_steps=5
     )
     cmd = accelerate_launch("--multi_gpu", *TWO_GPUS, GLUE, *training, "--output_dir", output_dir)
-    process = start_launch(cmd, tmp_path)
+    process = start_launch(cmd, tmp_path, HF_HOME=tmp_path / "hf-home")
     wait_for_checkpoint(process, output_dir / "checkpoints", "checkpoint-10", or_later=True)
     os.kill(rank_process(tmp_path, 1), signal.SIGKILL)
     killed_at = time.monotonic()
@@ -155,7 +162,9 @@ def test_a_rank_killed_mid_run_ends_every_rank_in_one_sentence_and_the_run_resum
     assert len(sentences) == 1 and "--resume_from_checkpoint latest" in sentences[0], output[-3000:]
     latest = assert_checkpoints_intact(output_dir / "checkpoints", at_least=10)
 
-    resumed = start_launch([*cmd, "--resume_from_checkpoint", "latest"], tmp_path)
+    resumed = start_launch(
+        [*cmd, "--resume_from_checkpoint", "latest"], tmp_path, HF_HOME=tmp_path / "hf-home"
+    )
     resumed_output, _ = resumed.communicate()  # bounded by the suite's pytest-timeout
     assert resumed.returncode == 0, resumed_output[-3000:]
     assert f"{latest} at step {latest.split('-')[1]}" in resumed_output

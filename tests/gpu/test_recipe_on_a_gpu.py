@@ -59,8 +59,9 @@ def no_run_left_behind(work, tmp_path):
 
 
 def launch(cmd, tag: Path):
-    """`cmd` to its end, its processes tagged with `tag`; the suite's pytest-timeout bounds it."""
-    result = run(cmd, tag, timeout=None, AMP_SCALE_OUT_TEST=tag)
+    """`cmd` to its end, its processes tagged with `tag`; the suite's pytest-timeout bounds it.
+    HF_HOME of its own: the machine's default accelerate config (under HF_HOME) stays out."""
+    result = run(cmd, tag, timeout=None, AMP_SCALE_OUT_TEST=tag, HF_HOME=tag / "hf-home")
     assert result.returncode == 0, result.stderr[-3000:]
 
 
