@@ -246,12 +246,13 @@ def test_a_signal_to_the_whole_launch_checkpoints_and_the_run_resumes(processes,
     wait_gone(tmp_path, timeout=10)
     latest = assert_checkpoints_intact(output_dir / "checkpoints", at_least=5)
     stopped_at = output_dir / "checkpoints" / latest
-    # accelerate >= 1.16's one-process launcher copies the run's stderr chunk by chunk
-    # (commands/launch.py, _run_subprocess: `while chunk := read1(...)`, then write) and its SIGTERM
-    # handler raises SystemExit wherever the copy is: landing between a read and its write, it drops
-    # that chunk (seen 1 run in 10 beside CI's lanes: the "Stopped by" sentence, or an earlier
-    # "Saved checkpoint" line, missing; the checkpoint whole, 143). Through that launcher a line may
-    # be missing, never wrong; torchrun's ranks write to the terminal themselves.
+    # Through accelerate >= 1.16's one-process launcher a line of the run can go missing: seen about
+    # 1 run in 10 here (an earlier "Saved checkpoint" line) and in CI's run of stop 72 (the "Stopped
+    # by" sentence), the checkpoint whole, 143. The likely cause, read in its source (not
+    # reproduced): it copies the run's stderr chunk by chunk (commands/launch.py, _run_subprocess:
+    # `while chunk := read1(...)`, then write), and its SIGTERM handler raises SystemExit wherever
+    # that copy is, so a chunk read but not yet written is dropped. A line may be missing there,
+    # never wrong; torchrun's ranks write to the terminal themselves.
     lossy = processes == 1 and relaying
     stop = f"Stopped by SIGTERM after step {latest.split('-')[1]}; checkpoint {stopped_at}. Continue with"
     # The sentence names the checkpoint it stopped with, and that checkpoint was written once (step
