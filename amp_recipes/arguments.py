@@ -44,6 +44,20 @@ def add_worker_args(group) -> None:
     )
 
 
+def add_group_by_length_arg(group, default: bool) -> None:
+    """--group_by_length / --no_group_by_length (a recipe's data group); the recipe says why its default.
+    Two flags, not argparse's BooleanOptionalAction, whose negative is spelt --no-group_by_length."""
+    group.add_argument(
+        "--group_by_length",
+        action="store_true",
+        default=default,
+        help=f"Batch similar lengths together: less padding, less compute (default: {'on' if default else 'off'}).",
+    )
+    group.add_argument(
+        "--no_group_by_length", dest="group_by_length", action="store_false", help="The plain shuffle."
+    )
+
+
 # transformers' schedules that take the warm-up and the number of steps and nothing else, and
 # `constant`, which ignores the warm-up (as transformers' does; the no_trainer examples offer it).
 # Left out: `inverse_sqrt` (its decay timescale counts scheduler steps, which grow with the process

@@ -8,7 +8,6 @@ import signal
 
 import datasets
 import torch
-from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from .errors import InputError
 
@@ -67,18 +66,50 @@ def train_sampler(dataset, batch_size: int, group_by_length: bool, seed: int):
     """
     if not group_by_length:
         return None
-    return EpochLengthGroupedSampler(
-        batch_size, lengths=[len(ids) for ids in dataset["input_ids"]], seed=seed
-    )
+    return LengthGroupedBatches([len(ids) for ids in dataset["input_ids"]], batch_size, seed)
 
 
-class EpochLengthGroupedSampler(LengthGroupedSampler):
-    """transformers' length-grouped sampler, reseeded from (seed, epoch) like accelerate's seedable
-    sampler, so a run resumed mid-epoch sees the same batches as an uninterrupted one."""
+def by_length(dataset) -> list[int]:
+    """The rows' indices, shortest to longest: an evaluation order whose batches pad little."""
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    return sorted(range(len(lengths)), key=lengths.__getitem__)
 
-    def __init__(self, batch_size: int, lengths: list[int], seed: int):
-        super().__init__(batch_size, lengths=lengths, generator=torch.Generator().manual_seed(seed))
-        self.seed = seed
+
+class LengthGroupedBatches(torch.utils.data.Sampler):
+    """Indices in batches of similar length, the batches in random order.
+
+    transformers' LengthGroupedSampler (the Trainer's --group_by_length) sorts each "megabatch" of
+    up to 50 batches longest first and keeps that order, so every epoch trains in runs of long to
+    short batches and its last steps, as the learning rate reaches 0, see only short sequences.
+    This sampler cuts the same megabatches (the same size rule) but shuffles the batches, keeping
+    only the longest batch first (an out-of-memory error shows at the first step, as there).
+    Reseeded from (seed, epoch) like accelerate's seedable sampler, so a run resumed mid-epoch
+    sees the same batches as an uninterrupted one. Every batch but the epoch's last is full: the
+    DataLoader cuts this stream into batches of `batch_size` in order.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+        self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
+        # transformers.trainer_pt_utils.get_length_grouped_indices' megabatch size
+        self.window = max(1, min(len(lengths) // (batch_size * 4), 50)) * batch_size
 
     def set_epoch(self, epoch: int) -> None:  # accelerate's DataLoaderShard calls it each epoch
-        self.generator.manual_seed(self.seed + epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        batches = []
+        for start in range(0, len(order), self.window):
+            window = sorted(order[start : start + self.window], key=self.lengths.__getitem__)
+            batches += [window[i : i + self.batch_size] for i in range(0, len(window), self.batch_size)]
+        # Only the epoch's last window can end in a short batch; it stays last.
+        last = [batches.pop()] if batches and len(batches[-1]) < self.batch_size else []
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        if batches:
+            longest = max(range(len(batches)), key=lambda b: max(self.lengths[i] for i in batches[b]))
+            batches.insert(0, batches.pop(longest))
+        return (index for batch in batches + last for index in batch)

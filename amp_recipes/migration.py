@@ -178,7 +178,7 @@ EXAMPLE_DEFAULTS = {
     "seed": None,
 }
 EXAMPLE_RECIPE_DEFAULTS = {
-    "bert_glue": {},
+    "bert_glue": {"group_by_length": False},  # the examples shuffle; the recipe batches by length
     "bert_ner": {},
     "bert_qa": {},
     "bert_mlm": {"max_seq_length": None, "num_train_epochs": 3},  # the recipe's own: 128 tokens, 1 epoch
@@ -267,7 +267,7 @@ def add_example_args(parser: argparse.ArgumentParser, recipe: str) -> None:
         "--hf_example_defaults",
         action="store_true",
         help="The transformers example's defaults for every flag not given (batch 8, learning rate 5e-5, "
-        "no weight decay, no warm-up, no clipping, unseeded): its numbers, not the recipe's.",
+        "no weight decay, no warm-up, no clipping, unseeded, the plain shuffle): its numbers, not the recipe's.",
     )
 
 

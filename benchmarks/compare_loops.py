@@ -11,6 +11,7 @@ on every arm alike):
 - minimal:         recipes/minimal/bert_glue.py, the textbook loop in plain PyTorch (torch.autocast,
                    GradScaler) over the recipe's own batches (same tokenisation, collator, shuffling,
                    fused AdamW, schedule and clipping; nothing else)
+The recipe and minimal arms run with --no_group_by_length, the plain shuffle the Trainer uses.
 - trainer_padded:  transformers.Trainer as transformers' own GLUE example (run_glue.py) runs it by
                    default: every sequence padded to --max_seq_length (its pad_to_max_length=True),
                    the other TrainingArguments at their defaults
@@ -203,6 +204,9 @@ def run_arm(args, arm: str, work_dir: Path) -> dict:
             command += ["--max_train_steps", str(args.max_train_steps), "--max_eval_samples", "8"]
         if arm == "recipe":
             command += ["--activation_monitor_interval", "0"]
+        # The Trainer arms shuffle: so do these, the same batches' work in every arm (what grouping
+        # by length buys on its own: docs/performance.md#length-grouped-batches).
+        command += ["--no_group_by_length"]
     else:
         spec_path, result_path = work_dir / "spec.json", work_dir / "result.json"
         spec_path.write_text(json.dumps({**spec, "work_dir": str(work_dir)}))

@@ -89,9 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max_seq_length", type=int, default=128)
     data.add_argument("--max_train_samples", type=int, help="Use only the first N training sentences.")
     data.add_argument("--max_eval_samples", type=int, help="Use only the first N validation sentences.")
-    data.add_argument(  # off: grouped batches trained to lower CoNLL F1 (docs/performance.md)
-        "--group_by_length", action="store_true", help="Batch similar lengths together (less padding)."
-    )
+    # off: grouped batches trained to lower CoNLL F1 (docs/performance.md)
+    arguments.add_group_by_length_arg(data, default=False)
     arguments.add_worker_args(data)
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")

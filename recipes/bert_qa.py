@@ -89,9 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max_query_length", type=int, default=64, help="Longer questions are cut to this.")
     data.add_argument("--max_train_samples", type=int, help="Use only the first N training questions.")
     data.add_argument("--max_eval_samples", type=int, help="Use only the first N validation questions.")
-    data.add_argument(  # off, as for GLUE and NER, where it lowered dev scores (docs/performance.md)
-        "--group_by_length", action="store_true", help="Batch similar lengths together (less padding)."
-    )
+    # off: not measured on QA yet (docs/performance.md)
+    arguments.add_group_by_length_arg(data, default=False)
     arguments.add_worker_args(data)
     qa.add_answer_args(parser.add_argument_group("answers"))  # how logits become answers (qa.postprocess)
     model = parser.add_argument_group("model")

@@ -142,6 +142,7 @@ def test_the_example_defaults_on_request(capsys):
     )
     assert (args.weight_decay, args.num_warmup_steps, args.max_grad_norm) == (0.0, 0, 0.0)
     assert args.seed is None  # unseeded there: drawn at the run's start, once for the launch (below)
+    assert args.group_by_length is False  # the examples' plain shuffle
     ours = glue.parse_args(["--task_name", "mrpc"])
     assert (ours.per_device_train_batch_size, ours.learning_rate, ours.seed, ours.max_grad_norm) == (
         32,
@@ -149,6 +150,11 @@ def test_the_example_defaults_on_request(capsys):
         42,
         1.0,
     )
+    assert ours.group_by_length is True
+    assert glue.parse_args(
+        ["--task_name", "mrpc", "--hf_example_defaults", "--group_by_length"]
+    ).group_by_length
+    assert glue.parse_args(["--task_name", "mrpc", "--no_group_by_length"]).group_by_length is False
     mlm = load_recipe("bert_mlm").parse_args(["--train_file", "t.txt", "--hf_example_defaults"])
     assert (mlm.max_seq_length, mlm.num_train_epochs) == (None, 3)  # the model's own length, at most 1024
     with pytest.raises(SystemExit):

@@ -72,7 +72,7 @@ def test_fp32_trains_step_for_step_as_the_full_recipe_on_a_model_that_learns(tmp
     torch.testing.assert_close(
         torch.tensor(recipe_losses), torch.tensor(minimal_losses), rtol=1e-6, atol=1e-6
     )
-    assert sum(recipe_losses[-4:]) < sum(recipe_losses[:4]) - 0.4  # it learns (measured: 2.76 -> 2.16)
+    assert sum(recipe_losses[-4:]) < sum(recipe_losses[:4]) - 0.4  # it learns (measured: 2.81 -> 2.12)
     recipe_weights = load_file(runs["recipe"] / "model.safetensors")
     minimal_weights = load_file(runs["minimal"] / "model.safetensors")
     assert recipe_weights.keys() == minimal_weights.keys()
@@ -101,8 +101,11 @@ TINY_WORK.update(per_device_train_batch_size=8, learning_rate=1e-3, logging_step
 
 def test_bf16_trains_as_the_full_recipe_in_bf16(tmp_path):
     work = dict(TINY_WORK, mixed_precision="bf16", max_train_samples=32, max_train_steps=6, seed=3)
-    results = minimal().main(flags(**work, output_dir=tmp_path / "minimal"))
-    recipe_results = train(load_recipe("bert_glue"), flags(**work, output_dir=tmp_path / "recipe"))
+    shuffled = ["--no_group_by_length"]  # the plain shuffle here; the fp32 test above runs grouped batches
+    results = minimal().main([*flags(**work, output_dir=tmp_path / "minimal"), *shuffled])
+    recipe_results = train(
+        load_recipe("bert_glue"), [*flags(**work, output_dir=tmp_path / "recipe"), *shuffled]
+    )
     assert recipe_results["precision_in_effect"] == "bf16" and results["mixed_precision"] == "bf16"
     recipe_losses, minimal_losses = losses(tmp_path / "recipe"), losses(tmp_path / "minimal")
     assert len(recipe_losses) == len(minimal_losses) == 6

@@ -110,7 +110,6 @@ def test_a_hit_recompile_limit_is_reported_in_our_log(recipe, tmp_path, monkeypa
     """Shapes marked static (what accelerate 1.15's `accelerate launch` asks by default) recompile per length until
     dynamo gives up; the run says so, and eval_results.json records it."""
     caplog.set_level("WARNING")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     static = compiling.dynamo_plugin
 
     def static_shapes(args):
@@ -119,7 +118,10 @@ def test_a_hit_recompile_limit_is_reported_in_our_log(recipe, tmp_path, monkeypa
         return plugin
 
     monkeypatch.setattr(compiling, "dynamo_plugin", static_shapes)
-    results, _, _ = compile_run(recipe, tmp_path, monkeypatch)
+    # dynamo's own patch: monkeypatch's undo of this option left it unreadable ("recompile_limit
+    # does not exist") for every later torch.compile in the same pytest process.
+    with torch._dynamo.config.patch(recompile_limit=2):
+        results, _, _ = compile_run(recipe, tmp_path, monkeypatch)
     assert results["recompile_limit_hit"] is True
     assert "torch.compile hit dynamo's recompile limit: parts of the model now run uncompiled" in caplog.text
 
@@ -138,7 +140,7 @@ def test_padding_per_epoch_is_logged_and_grouping_lowers_it(recipe, tmp_path, ca
         output_dir = tmp_path / f"grouped-{grouped}"
         argv = [*TINY, "--max_train_samples", 64, "--num_train_epochs", 1, "--max_seq_length", 512]
         argv += ["--output_dir", output_dir]  # 512: the tiny vocabulary makes long sequences
-        train(recipe, [*argv, "--group_by_length"] if grouped else argv)
+        train(recipe, [*argv, "--group_by_length" if grouped else "--no_group_by_length"])
         rows = [row for row in log_history(output_dir) if "epoch_padding_fraction" in row]
         assert len(rows) == 1 and rows[0]["step"] == 8
         fractions[grouped] = rows[0]["epoch_padding_fraction"]

@@ -172,6 +172,15 @@ def test_an_arms_modifier_passes_its_flag_to_its_runs_only(tmp_path):
     grouped = paired.launch_command(args, "fp32+group_by_length", 1, tmp_path / "c")
     assert grouped.count("--group_by_length") == 1 and "--group_by_length" not in plain
     assert grouped[grouped.index("--mixed_precision") + 1] == "no"
+    # GLUE groups by default: with --no_group_by_length among the recipe's flags the plain arm
+    # shuffles and the arm's own flag, written after it, groups (as the recipe parses the line).
+    args = parse(
+        "--arms", "fp32,fp32+group_by_length", "--output_dir", str(tmp_path / "g"), "--no_group_by_length"
+    )
+    args.group, recipe = "grouping", paired.load_recipe(args.recipe_path)  # the group: main() names it
+    for arm, grouping in (("fp32", False), ("fp32+group_by_length", True)):
+        line = paired.launch_command(args, arm, 1, tmp_path / arm)
+        assert recipe.parse_args(line[line.index(str(args.recipe_path)) + 1 :]).group_by_length is grouping
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """Tokenisation (datasets' cache), collation, length grouping, optimizer groups and the run record."""
 
+import itertools
 import json
 import os
 
@@ -8,7 +9,7 @@ import torch
 from conftest import GLUE_DIR, TINY_BERT
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from amp_recipes.batches import train_sampler
+from amp_recipes.batches import by_length, train_sampler
 from amp_recipes.glue import load_glue, make_collator, tokenize_splits
 from amp_recipes.optim import optimizer_grouped_parameters
 from amp_recipes.records import RunRecord, write_json_atomic
@@ -37,20 +38,43 @@ def test_mixed_precision_pads_to_a_multiple_of_8_and_fp32_to_the_longest():
         assert width % 8 == 0 and longest <= width < longest + 8
 
 
-def test_length_grouping_reduces_padding():
-    tokenizer, tokenized = tokenize_task("sst2", max_train=256)  # short sentences, varied lengths
+def test_length_grouping_reduces_padding_in_full_batches_of_random_order():
+    tokenizer, tokenized = tokenize_task("sst2", max_train=1000)  # short sentences, varied lengths
     dataset = tokenized["train"]
     lengths = [len(ids) for ids in dataset["input_ids"]]
     assert train_sampler(dataset, 16, False, 0) is None
 
-    def padded_tokens(order):
-        batches = [order[i : i + 16] for i in range(0, len(order), 16)]
-        return sum(len(b) * max(lengths[j] for j in b) for b in batches)
+    def batches_of(order):
+        return [order[i : i + 16] for i in range(0, len(order), 16)]
 
-    grouped = list(train_sampler(dataset, 16, True, 0))
-    assert sorted(grouped) == list(range(256))
-    shuffled = torch.randperm(256, generator=torch.Generator().manual_seed(0)).tolist()
+    def padded_tokens(order):
+        return sum(len(b) * max(lengths[j] for j in b) for b in batches_of(order))
+
+    sampler = train_sampler(dataset, 16, True, 0)
+    grouped = list(sampler)
+    assert sorted(grouped) == list(range(1000)) and len(sampler) == 1000
+    shuffled = torch.randperm(1000, generator=torch.Generator().manual_seed(0)).tolist()
     assert padded_tokens(grouped) < 0.9 * padded_tokens(shuffled)
+    # The DataLoader cuts the stream in order: every batch full but the epoch's last.
+    longest = [max(lengths[j] for j in batch) for batch in batches_of(grouped)]
+    assert [len(b) for b in batches_of(grouped)] == [16] * 62 + [8]
+    assert longest[0] == max(lengths)  # the longest batch first: out of memory shows at step 1
+    # ... and the batches in random order, not longest to shortest as transformers' sampler runs
+    # each megabatch (its last steps, where the learning rate ends, then see only short sequences).
+    descending = sum(a >= b for a, b in itertools.pairwise(longest[1:-1]))  # 60 pairs
+    assert 0.25 * 60 < descending < 0.75 * 60
+    # Reseeded from (seed, epoch): a resumed run sees the same batches; another epoch, others.
+    assert list(train_sampler(dataset, 16, True, 0)) == grouped
+    sampler.set_epoch(1)
+    assert list(sampler) != grouped and sorted(sampler) == list(range(1000))
+
+
+def test_evaluation_runs_shortest_to_longest():
+    _, tokenized = tokenize_task("sst2", max_train=300)
+    dataset = tokenized["train"]
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    order = by_length(dataset)
+    assert sorted(order) == list(range(300)) and [lengths[i] for i in order] == sorted(lengths)
 
 
 def test_no_weight_decay_on_biases_and_norms():

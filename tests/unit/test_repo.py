@@ -88,6 +88,8 @@ def test_the_docs_give_each_flag_the_parsers_default(recipe, section):
             assert written == "$GLUE_DIR", written  # the parser reads the variable
         elif default is None or default is False:
             assert written in unset, (flag, written)
+        elif default is True:  # an on/off flag that is on: --group_by_length (GLUE)
+            assert written == "on", (flag, written)
         elif isinstance(default, (int, float)):
             assert float(written) == default, (flag, written, default)
         else:
