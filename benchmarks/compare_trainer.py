@@ -4,7 +4,8 @@
     python benchmarks/compare_trainer.py --task ner --train_file train.txt --validation_file valid.txt --seeds 1,2,3
     python benchmarks/compare_trainer.py --task qa --train_file train.json --validation_file dev.json --seeds 1,2,3
 
-For each seed the recipe (recipes/bert_glue.py, bert_ner.py or bert_qa.py, with its defaults) and
+For each seed the recipe (recipes/bert_glue.py, bert_ner.py or bert_qa.py, with its defaults, but
+GLUE's batches shuffled, --no_group_by_length, as the Trainer's are) and
 the Trainer each train and evaluate in a fresh process, one after the other, the order alternating
 from seed to seed, so that a drift of the machine's speed weighs on both sides alike. Both get the
 same model, data files, epochs, batch sizes, learning rate, linear schedule and warm-up, weight
@@ -593,6 +594,7 @@ def recipe_command(args, seed: int, work_dir: Path) -> list[str]:
     command += ["--seed", str(seed)]
     if args.task == "glue":
         command += ["--task_name", args.task_name, "--data_dir", str(args.data_dir)]
+        command += ["--no_group_by_length"]  # the Trainer's random sampling: the same batches' work
     if args.train_file:
         command += ["--train_file", args.train_file, "--validation_file", args.validation_file]
     if args.task == "qa":

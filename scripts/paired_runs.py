@@ -340,6 +340,15 @@ def check_recipe_args(parser, args) -> dict:
             f"--gradient_checkpointing in the recipe's flags turns it on in every arm; drop it, or the "
             f"{CHECKPOINTED} arms, which compare an arm with and without it."
         )
+    for arm in args.arms:
+        for flag in flags_of(arm):
+            action = recipe_parser._option_string_actions[flag]
+            if getattr(parsed, action.dest, None) == action.const:  # the arm would equal its precision's
+                parser.error(
+                    f"--arms: {flag} is already in effect in every run of {args.recipe_path.name} (its "
+                    f"default or the recipe's flags), so {arm} would run as {precision_of(arm)}; turn it "
+                    f"off among the recipe's flags (--no_{flag[2:]}) to compare with and without it."
+                )
     taken = [f"--{name}" for name in OWNED if getattr(raw, name, None) != recipe_parser.get_default(name)]
     if taken:
         parser.error(

@@ -265,3 +265,12 @@ def test_the_glue_and_ner_trainer_sides_train_and_score(script, tmp_path):
     assert tagged["train_steps"] == 4
     assert {"eval_f1", "eval_precision", "eval_recall", "eval_accuracy"} <= set(tagged)
     assert tagged["reported_peak_memory_bytes"] > 2**27
+
+
+def test_the_glue_recipe_side_shuffles_as_the_trainer_does(script, tmp_path):
+    """GLUE's recipe groups batches by length by default; the Trainer samples at random, so the
+    recipe side is run with the plain shuffle: both sides do the same batches' work."""
+    args = script.parse_args(["--task", "glue", "--model_name_or_path", str(TINY_BERT)])
+    command = script.recipe_command(args, 1, tmp_path)
+    recipe = load_module(REPO / "recipes" / "bert_glue.py", "bert_glue_for_compare_trainer")
+    assert recipe.parse_args(command[2:]).group_by_length is False

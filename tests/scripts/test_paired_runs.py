@@ -167,16 +167,15 @@ def test_an_arms_modifier_passes_its_flag_to_its_runs_only(tmp_path):
     checkpointed = paired.launch_command(args, "fp32+gradient_checkpointing", 1, tmp_path / "b")
     assert "--gradient_checkpointing" not in plain and checkpointed.count("--gradient_checkpointing") == 1
     assert checkpointed[checkpointed.index("--mixed_precision") + 1] == "no"
-    # Any on/off flag of the recipe: the length-grouping pair compares grouped batches with the shuffle.
-    args = parse("--arms", "fp32,fp32+group_by_length", "--output_dir", str(tmp_path / "grouping"))
-    grouped = paired.launch_command(args, "fp32+group_by_length", 1, tmp_path / "c")
-    assert grouped.count("--group_by_length") == 1 and "--group_by_length" not in plain
-    assert grouped[grouped.index("--mixed_precision") + 1] == "no"
-    # GLUE groups by default: with --no_group_by_length among the recipe's flags the plain arm
-    # shuffles and the arm's own flag, written after it, groups (as the recipe parses the line).
+    # Any on/off flag of the recipe: the length-grouping pair compares grouped batches with the
+    # shuffle. GLUE groups by default: with --no_group_by_length among the recipe's flags the plain
+    # arm shuffles and the arm's own flag, written after it, groups (as the recipe parses the line).
     args = parse(
         "--arms", "fp32,fp32+group_by_length", "--output_dir", str(tmp_path / "g"), "--no_group_by_length"
     )
+    grouped = paired.launch_command(args, "fp32+group_by_length", 1, tmp_path / "c")
+    assert grouped.count("--group_by_length") == 1 and "--group_by_length" not in plain
+    assert grouped[grouped.index("--mixed_precision") + 1] == "no"
     args.group, recipe = "grouping", paired.load_recipe(args.recipe_path)  # the group: main() names it
     for arm, grouping in (("fp32", False), ("fp32+group_by_length", True)):
         line = paired.launch_command(args, arm, 1, tmp_path / arm)
@@ -192,8 +191,21 @@ def test_an_arms_modifier_passes_its_flag_to_its_runs_only(tmp_path):
         ),
         (["--arms", "fp32,fp17"], "unknown ['fp17']; choose from fp32, fp16, bf16, fp8 (each"),
         (["--arms", "fp32,fp32+max_seq_length"], "max_seq_length is not an on/off flag of bert_glue.py"),
+        (  # GLUE groups by default: the pair needs --no_group_by_length among the recipe's flags
+            ["--arms", "fp32,fp32+group_by_length"],
+            "--group_by_length is already in effect in every run of bert_glue.py (its default or the "
+            "recipe's flags), so fp32+group_by_length would run as fp32; turn it off among the "
+            "recipe's flags (--no_group_by_length)",
+        ),
         (
-            ["--arms", "fp32,fp32+group_by_length", "--headroom", "--memory_budget_gb", "4"],
+            [
+                "--arms",
+                "fp32,fp32+group_by_length",
+                "--headroom",
+                "--memory_budget_gb",
+                "4",
+                "--no_group_by_length",
+            ],
             "--headroom searches each precision's largest batch (+gradient_checkpointing too), not "
             "fp32+group_by_length",
         ),

@@ -9,7 +9,7 @@ import torch
 from conftest import GLUE_DIR, TINY_BERT
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from amp_recipes.batches import by_length, train_sampler
+from amp_recipes.batches import LengthGroupedBatches, by_length, train_sampler
 from amp_recipes.glue import load_glue, make_collator, tokenize_splits
 from amp_recipes.optim import optimizer_grouped_parameters
 from amp_recipes.records import RunRecord, write_json_atomic
@@ -67,6 +67,18 @@ def test_length_grouping_reduces_padding_in_full_batches_of_random_order():
     assert list(train_sampler(dataset, 16, True, 0)) == grouped
     sampler.set_epoch(1)
     assert list(sampler) != grouped and sorted(sampler) == list(range(1000))
+
+
+def test_the_epochs_longest_row_is_always_in_its_first_batch():
+    """Even when the shuffle puts it in the epoch's short last batch (10 rows in batches of 4: the
+    last holds 2), it trades places with the first batch's shortest row."""
+    lengths = list(range(1, 11))  # row 9 is the longest
+    in_the_last = 0
+    for seed in range(20):
+        order = list(LengthGroupedBatches(lengths, 4, seed))
+        assert sorted(order) == list(range(10)) and 9 in order[:4]
+        in_the_last += 9 in torch.randperm(10, generator=torch.Generator().manual_seed(seed)).tolist()[8:]
+    assert in_the_last > 0  # the case arose
 
 
 def test_evaluation_runs_shortest_to_longest():
