@@ -344,10 +344,12 @@ def check_recipe_args(parser, args) -> dict:
         for flag in flags_of(arm):
             action = recipe_parser._option_string_actions[flag]
             if getattr(parsed, action.dest, None) == action.const:  # the arm would equal its precision's
+                off = f"--no_{flag[2:]}"
+                hint = f" ({off})" if off in recipe_parser._option_string_actions else ""
                 parser.error(
                     f"--arms: {flag} is already in effect in every run of {args.recipe_path.name} (its "
                     f"default or the recipe's flags), so {arm} would run as {precision_of(arm)}; turn it "
-                    f"off among the recipe's flags (--no_{flag[2:]}) to compare with and without it."
+                    f"off among the recipe's flags{hint} to compare with and without it."
                 )
     taken = [f"--{name}" for name in OWNED if getattr(raw, name, None) != recipe_parser.get_default(name)]
     if taken:
