@@ -60,7 +60,6 @@ ZERO_EXPONENT = -25  # |x| < 2**-25 rounds to 0 in fp16 (2**-24 is its smallest 
 OFFSET, BINS = 160, 320  # frexp exponents of float32 values lie in [-148, 129]
 RECIPES = ("bert_glue", "bert_ner", "bert_qa", "bert_mlm")
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # the doctor's names, accelerate's
-SEARCH_MAX = 8192  # the largest batch a GPU search tries
 
 
 # ----------------------------------------------------------------------------- the fp32 probe
@@ -258,7 +257,8 @@ def time_steps(
     a CPU the process's peak resident set, less the weights of the doctor's own model, which a
     run does not hold), autocast to `dtype` (None: fp32), fp16 through a GradScaler built with
     `scaler_settings` (torch.amp.GradScaler's keywords), on a copy of the model (the doctor's own
-    model stays as it was)."""
+    model stays as it was). Timed by the measurement engine (amp_recipes.measure)."""
+    from .measure import time_steps as timed_steps
     from .memory import enable_gradient_checkpointing
     from .meters import peak_memory_since_window, start_memory_window
 
@@ -272,13 +272,9 @@ def time_steps(
     scaler = None
     if dtype == torch.float16:
         scaler = torch.amp.GradScaler(device.type, **(scaler_settings or {}))
-    started = None
-    for i in range(warmup + steps):
-        if i == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-        batch = {k: v.to(device) for k, v in batches[i % len(batches)].items()}
+
+    def step(batch):
+        batch = {k: v.to(device) for k, v in batch.items()}
         autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
         with autocast:
             loss = model(**batch).loss
@@ -290,94 +286,12 @@ def time_steps(
             loss.backward()
             optimizer.step()
         optimizer.zero_grad()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = (time.perf_counter() - started) / steps
+        return loss.detach()
+
+    cycled = [batches[i % len(batches)] for i in range(warmup + steps)]
+    seconds = timed_steps(step, cycled, device, warmup)["step_seconds"]
     peak = peak_memory_since_window(device) - (own_weights if device.type == "cpu" else 0)
-    return {"step_time_s": seconds, "peak_memory_bytes": peak}
-
-
-class OutOfTime(Exception):
-    """--budget_s ran out during a batch-size search."""
-
-
-def memory_budget(device: torch.device, memory_budget_gb: float | None) -> int:
-    """--memory_budget_gb, else what a run could hold: on a GPU the card (the search caps the
-    allocator at it less what lives outside the allocator: amp_recipes.memory.cuda_budget); on a
-    CPU the memory free now and what this process holds (a recipe run would hold about as much)."""
-    if memory_budget_gb:
-        return int(memory_budget_gb * 2**30)
-    if device.type == "cuda":
-        from .memory import cuda_index
-
-        return torch.cuda.mem_get_info(cuda_index(device))[1]
-    import psutil
-
-    return psutil.virtual_memory().available + psutil.Process().memory_info().rss
-
-
-def largest_batch(peak_at, device: torch.device, budget: int, batch_size: int, deadline: float) -> dict:
-    """The largest batch that fits `budget` bytes, `peak_at(size)` measuring one of that size.
-
-    On a GPU, searched: batch sizes are tried (doubling from 1, then bisection) under
-    torch.cuda.set_per_process_memory_fraction, which makes an allocation past the budget (less
-    what lives outside the allocator: amp_recipes.memory.cuda_budget) raise OutOfMemoryError as a
-    smaller GPU would. On a CPU an allocation past the memory does not fail,
-    the kernel kills the process: predicted instead, from a line through the peaks at the user's
-    batch size and twice it (the weights, gradients and optimizer states are the same at any batch
-    size; the activations grow with it, by the same bytes per row of the same length)."""
-    from accelerate.utils.memory import clear_device_cache
-
-    from .memory import is_out_of_memory, largest_fitting
-
-    if device.type == "cuda":
-        from .memory import cuda_budget, cuda_index
-
-        index = cuda_index(device)
-        total = torch.cuda.get_device_properties(index).total_memory
-        card = cuda_budget(device, budget)
-        trials = {}
-
-        def fits(size: int) -> bool:
-            if time.monotonic() > deadline:
-                raise OutOfTime
-            try:
-                peak_at(size)
-                trials[size] = True
-            except Exception as error:  # noqa: BLE001 - only an out-of-memory error means "does not fit"
-                if not is_out_of_memory(error):
-                    raise
-                trials[size] = False
-            if not trials[size]:  # the failed trial's tensors, freed before the next one
-                clear_device_cache(garbage_collection=True)
-            return trials[size]
-
-        # A cap set before (a call, or PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction) is
-        # never raised by the search, and is restored after it.
-        fraction_before = torch.cuda.get_per_process_memory_fraction(index)
-        fraction = min(fraction_before, card["allocator_cap_bytes"] / total)
-        torch.cuda.set_per_process_memory_fraction(fraction, index)
-        try:
-            largest, failed = largest_fitting(fits, 1, SEARCH_MAX, granularity=8)
-            found = {"largest_batch": largest, "capped_at_search_max": failed is None}
-        except OutOfTime:  # what fit so far: a lower bound (None: no trial ran)
-            largest = max((size for size, fit in trials.items() if fit), default=None)
-            found = {"largest_batch": largest, "search_stopped": "--budget_s ran out"}
-        finally:
-            torch.cuda.set_per_process_memory_fraction(fraction_before, index)
-        card["allocator_cap_bytes"] = int(fraction * total)  # a lower cap set before is the limit
-        return {"method": "searched", **found, **card, "trials": len(trials)}
-    small = peak_at(batch_size)
-    found = {"method": "predicted", "budget_bytes": budget}
-    if small > budget / 2:  # twice the batch might not fit: the kernel would kill the process
-        return {**found, "largest_batch": None, "why": "the peak at your batch is over half the budget"}
-    large = peak_at(2 * batch_size)
-    per_row = (large - small) / batch_size
-    fixed = small - per_row * batch_size
-    found.update(fixed_bytes=fixed, bytes_per_row=per_row)
-    if per_row <= 0:  # the resident set did not grow: nothing to extrapolate from
-        return {**found, "largest_batch": None, "why": "the peak did not grow with the batch size"}
-    return {**found, "largest_batch": max(0, math.floor((budget - fixed) / per_row))}
+    return {"step_time_s": sum(seconds) / steps, "peak_memory_bytes": peak}
 
 
 # ----------------------------------------------------------------------------- fp8
@@ -466,7 +380,7 @@ def markdown(report: dict) -> str:
     ]
     for name, figures in report["speed"].items():
         largest = report["largest_batch"].get(name, {})
-        fit = largest.get("largest_batch")
+        fit = largest.get("max_batch_size")
         how = largest.get("method", "not measured yet (--budget_s ran out)")
         if largest.get("capped_at_search_max") or (largest.get("search_stopped") and fit):
             fit = f"{fit}+"  # a lower bound: the search's cap fit too, or --budget_s stopped it
@@ -535,7 +449,7 @@ def tracker_figures(report: dict) -> dict:
         figures[f"{name}_step_time_s"] = speed["step_time_s"]
         figures[f"{name}_peak_memory_bytes"] = speed["peak_memory_bytes"]
     for name, found in report["largest_batch"].items():
-        figures[f"{name}_largest_batch"] = found.get("largest_batch")
+        figures[f"{name}_largest_batch"] = found.get("max_batch_size")
     for advice in report["recommendation"]:
         figures[f"{advice['precision']}_advised"] = int(advice["advised"])
         figures[f"{advice['precision']}_advice"] = advice["reason"]
@@ -612,6 +526,7 @@ def diagnose(
     from accelerate import Accelerator
 
     from .hardware import cpu_has_native_bf16, device_facts
+    from .measure import largest_batch, memory_budget
     from .optim import make_optimizer
 
     args = recipe.parse_args(recipe_argv)

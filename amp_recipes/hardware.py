@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import shutil
@@ -153,17 +152,3 @@ def hardware_record(device: torch.device | None = None) -> dict:
     else:
         record.update(tf32_supported=False)
     return record
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Called first thing in a child process (Linux): the kernel sends it SIGKILL when its parent
-    dies, even by SIGKILL, which no handler sees; a parent already gone (`parent_pid` is no longer
-    the parent) ends it at once. Elsewhere a no-op. Not a `preexec_fn`: that runs Python between
-    fork and exec, which may hang in a process with threads (torch's), and delays every start."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
-        os._exit(1)

@@ -8,13 +8,13 @@
     python scripts/benchmark_precision.py --head qa --seq_len 384 --arms fp32,fp16,bf16   # SQuAD's shape
     python scripts/benchmark_precision.py --arms fp32,bf16,fp8,bf16+compile,fp8+compile   # Ada/Hopper, torchao
 
-Each arm, and each trial of the batch-size search, runs in its own fresh process (accelerate's
-state is a per-process singleton, and peak memory must not carry over), with the same seed, the
-same initial weights and the same batches. `--in_process` runs them all in this process instead,
-seconds faster per trial on a GPU: accelerate's state is reset and the allocator's peak restarted
-(`torch.cuda.reset_peak_memory_stats` after `empty_cache`) before each trial, and the search
-catches `torch.cuda.OutOfMemoryError` the way accelerate's `find_executable_batch_size` does
-(and the driver's own out-of-memory errors: amp_recipes.memory.is_out_of_memory). Default workload: the exact BERT-base architecture
+Each arm, and each trial of the batch-size search, runs in this process with the same seed, the
+same initial weights and the same batches, measured by the engine the precision doctor uses
+(amp_recipes.measure): accelerate's state is reset before each trial, and the peak memory
+restarted (on a GPU the allocator's, after `empty_cache`; on a CPU Linux's peak resident set).
+An out-of-memory error anywhere in a trial (the model's build, `prepare()`, a step: torch's,
+what accelerate's `find_executable_batch_size` reads as one, or the driver's) means "does not
+fit"; any other error is a crash, reported as one. Default workload: the exact BERT-base architecture
 (`BertConfig()` defaults are bert-base-uncased's) with random weights, on synthetic token
 batches, so nothing is downloaded; `--head` picks what the recipes train on top of it: a
 sentence classifier (bert_glue.py), a tagger with a label per token (bert_ner.py), or the
@@ -25,9 +25,7 @@ the hardware/software record), results.md and results.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -107,7 +105,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--memory_budget_gb",
         type=float,
-        help="Budget of the batch-size search (required on a CPU; on CUDA a smaller GPU, default the card).",
+        help="Budget of the batch-size search: on CUDA a smaller GPU (default the card, less what lives "
+        "outside PyTorch's allocator); on a CPU the search measures under it (default: the largest batch "
+        "is predicted from two peaks, within what is free).",
     )
     parser.add_argument("--no_search", action="store_true", help="Skip the max-batch-size search.")
     parser.add_argument("--search_start", type=int, default=8)
@@ -121,21 +121,13 @@ def parse_args(argv=None):
         "time left and, cut, keeps its largest fit as a lower bound (≥). results.json is rewritten "
         "after every arm in any case.",
     )
-    parser.add_argument(
-        "--in_process",
-        action="store_true",
-        help="Every trial in this process (accelerate's state reset, the CUDA peak restarted, an OOM "
-        "caught) instead of a fresh process each: faster on a GPU. On a CPU the peak is the process's "
-        "resident set, restarted through /proc/self/clear_refs (Linux).",
-    )
+    # Every trial runs in this process since 2026-12-07; the flag that asked for it still parses.
+    parser.add_argument("--in_process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output_dir", help="Default: bench_results/<bench_id>.")
     parser.add_argument("--bench_id", default=time.strftime("bench-%Y%m%d-%H%M%S"))
     parser.add_argument("--report_to", choices=["none", "wandb"], default="none")
     parser.add_argument("--project_name", default="amp-recipes-benchmark")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: spec file of one arm/trial
     args = parser.parse_args(argv)
-    if args.worker:
-        return args
     args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
     unknown = [arm for arm in args.arms if precision_of(arm) not in ARMS]
     if unknown or not args.arms:
@@ -162,7 +154,7 @@ def parse_args(argv=None):
     return args
 
 
-# =============================================================================== worker
+# =============================================================================== one trial
 def build_model(config: dict):
     import torch
     import transformers
@@ -171,12 +163,19 @@ def build_model(config: dict):
     class_name, num_labels = HEADS[config["head"]]
     auto_class = getattr(transformers, class_name)
     if config["model_name_or_path"]:
-        return auto_class.from_pretrained(
-            config["model_name_or_path"],
-            num_labels=num_labels,
-            ignore_mismatched_sizes=True,
-            dtype=torch.float32,
-        )
+        # The head is new in every trial, by design: transformers' load report (a warning listing
+        # its missing weights) would repeat at every trial of every search.
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()
+        try:
+            return auto_class.from_pretrained(
+                config["model_name_or_path"],
+                num_labels=num_labels,
+                ignore_mismatched_sizes=True,
+                dtype=torch.float32,
+            )
+        finally:
+            transformers.logging.set_verbosity(verbosity)
     model_config = (
         AutoConfig.from_pretrained(config["config_name"]) if config["config_name"] else BertConfig()
     )
@@ -242,30 +241,6 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run_worker(spec_path: str) -> None:
-    """One arm at one batch size in this fresh process; writes its figures as JSON."""
-    spec = json.loads(Path(spec_path).read_text())
-    from amp_recipes.hardware import die_with_parent
-    from amp_recipes.memory import is_out_of_memory
-
-    die_with_parent(spec["parent_pid"])  # a benchmark killed mid-trial takes its trial along
-    try:
-        result = measure(
-            spec["config"], spec["arm"], spec["batch_size"], spec["warmup_steps"], spec["timed_steps"]
-        )
-    except Exception as error:
-        if not is_out_of_memory(error):  # a bug or a bad setting: the parent reports the crash
-            raise
-        # Out of memory before the first step (the model's build, accelerate's prepare): does not fit.
-        result = {
-            "arm": spec["arm"],
-            "batch_size": spec["batch_size"],
-            "fits": False,
-            "failure": "out of memory",
-        }
-    Path(spec["result_path"]).write_text(json.dumps(result))
-
-
 def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) -> dict:
     """One arm at one batch size: `warmup_steps` untimed steps, then `timed_steps` timed ones."""
     import torch
@@ -275,13 +250,8 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     from amp_recipes.compiling import CompileMonitor, dynamo_plugin
     from amp_recipes.flops import matmul_parameters, training_flops_per_step
     from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
-    from amp_recipes.memory import (
-        cuda_budget,
-        cuda_index,
-        enable_gradient_checkpointing,
-        gradient_checkpointing_on,
-        is_out_of_memory,
-    )
+    from amp_recipes.measure import time_steps
+    from amp_recipes.memory import enable_gradient_checkpointing, gradient_checkpointing_on
     from amp_recipes.meters import peak_memory_since_window, start_memory_window
     from amp_recipes.optim import make_optimizer
     from amp_recipes.precision import describe_precision, fp8_layer_report, fp8_recipe_kwargs
@@ -301,15 +271,7 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     )
     compiled = CompileMonitor(compile_flags.torch_compile)
     device = accelerator.device
-    budget = config["memory_budget_gb"] and int(config["memory_budget_gb"] * 2**30)
     baseline = start_memory_window(device)
-    card = None
-    if device.type == "cuda":  # the budget's card (no budget: this one), as the doctor's search has
-        card = cuda_budget(device, budget)  # the allocator's share of it, stated in the result
-        index = cuda_index(device)
-        total = torch.cuda.get_device_properties(index).total_memory
-        # Set on every trial: an allocation past the cap raises OOM, as on a card of that size.
-        torch.cuda.set_per_process_memory_fraction(card["allocator_cap_bytes"] / total, index)
     set_seed(config["seed"])  # same initial weights in every arm
     model = build_model(config)
     if CHECKPOINTED in arm:  # the recipes' --gradient_checkpointing
@@ -342,43 +304,29 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
         else:
             result["precision_in_effect"] = "tf32"
 
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    gradient_bytes = []
 
-    step_seconds, losses, first_step_seconds = [], [], None
+    def step(batch):
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        if not gradient_bytes:
+            gradient_bytes.append(tensor_bytes(p.grad for p in model.parameters() if p.grad is not None))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    # An out-of-memory error goes up to the caller: at the timed batch the arm does not fit; in a
+    # search (amp_recipes.measure.largest_batch) the trial does not.
     try:
-        for index, batch in enumerate(batches):
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            synchronize()
-            started = time.perf_counter()
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            if index == 0:
-                gradient_bytes = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            synchronize()
-            if index == 0:  # under torch.compile: the compilation, then the step
-                first_step_seconds = time.perf_counter() - started
-            if index >= warmup_steps:
-                step_seconds.append(time.perf_counter() - started)
-                losses.append(loss.item())
-        result["fits"] = True
-    except RuntimeError as error:
-        if not is_out_of_memory(error):
-            raise
-        result["fits"] = False
-        result["failure"] = "out of memory"
-    compile_report = compiled.report()  # stops listening to dynamo's log, whether the trial fit or not
+        timed = time_steps(step, batches, device, warmup_steps)
+    finally:
+        compile_report = compiled.report()  # stops listening to dynamo's log, whether the trial fit or not
     result["peak_memory_bytes"] = peak_memory_since_window(device)  # on a CPU: the process's peak RSS
     if device.type == "cuda":
         result["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
-    if card:
-        result["cuda_budget"] = card
-    elif budget and result["peak_memory_bytes"] > budget:  # a CPU's (a GPU's cap raises OOM instead)
-        result["fits"], result["failure"] = False, "over the memory budget"
-    if result["fits"] and step_seconds:
+    step_seconds, first_step_seconds = timed["step_seconds"], timed["first_step_seconds"]
+    if step_seconds:
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         weights = tensor_bytes(unwrapped.parameters())
         optimizer_state = tensor_bytes(
@@ -387,13 +335,13 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
             for v in state.values()
             if torch.is_tensor(v)
         )
-        activations = result["peak_memory_bytes"] - baseline - weights - gradient_bytes - optimizer_state
+        activations = result["peak_memory_bytes"] - baseline - weights - gradient_bytes[0] - optimizer_state
         median = sorted(step_seconds)[len(step_seconds) // 2]
         matmul_params = matmul_parameters(unwrapped)
         result.update(
             memory_split_bytes={
                 "weights": weights,
-                "gradients": gradient_bytes,
+                "gradients": gradient_bytes[0],
                 "optimizer_state": optimizer_state,
                 # On a CPU this also holds allocator overhead: peak RSS minus the start-up RSS.
                 "activations_and_other": activations,
@@ -408,7 +356,7 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
             compile_seconds=first_step_seconds - median if compile_flags.torch_compile else None,
             **compile_report,
             tokens_per_second=batch_size * config["seq_len"] / median,
-            losses=losses,
+            losses=timed["losses"],
             parameters=sum(p.numel() for p in unwrapped.parameters()),
             matmul_parameters=matmul_params,
             flops_per_step=training_flops_per_step(
@@ -423,172 +371,101 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
 
 
 # =============================================================================== parent
-class SearchStopped(Exception):
-    """--time_limit_s reached during a max-batch search."""
-
-
-def out_of_time(args, ends: float | None = None, longest: float | None = None) -> bool:
-    """A trial as long as the longest so far (or `longest`: a search's own, shorter than a timed
-    run) would end past --time_limit_s (or `ends`, seconds on the same clock: an arm's share of it
-    for its search)."""
+def out_of_time(args) -> bool:
+    """A trial as long as the longest so far would end past --time_limit_s."""
     if args.time_limit_s is None:
         return False
-    ends = args.time_limit_s if ends is None else ends
-    longest = args.longest_trial_s if longest is None else longest
-    return time.monotonic() - args.started + longest > ends
+    return time.monotonic() - args.started + args.longest_trial_s > args.time_limit_s
 
 
 class BenchmarkCrash(RuntimeError):
-    """A trial process that failed for another reason than running out of memory: the message is
-    one line (its error), `tail` the last lines of its output."""
+    """A trial that failed for another reason than running out of memory: the message is one line
+    (its error), `tail` the last lines of its traceback."""
 
     def __init__(self, message: str, tail: str = ""):
         super().__init__(message)
         self.tail = tail
 
 
-def spawn(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, work_dir: Path) -> dict:
-    """Run one arm at one batch size (in a fresh process, or with --in_process in this one)."""
-    started = time.monotonic()
-    try:
-        if args.in_process:
-            return trial_in_process(args, arm, batch_size, warmup_steps, timed_steps)
-        return trial_in_fresh_process(args, arm, batch_size, warmup_steps, timed_steps, work_dir)
-    finally:
-        args.longest_trial_s = max(args.longest_trial_s, time.monotonic() - started)
-
-
-def trial_in_process(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) -> dict:
-    """One trial in this process. accelerate keeps one state per process (precision, device,
-    plugins) and refuses an Accelerator with other settings once it exists: it is reset before each
-    trial, as accelerate's own test suite does between tests; dynamo's graphs of the last compiled
-    trial (which hold its model) are dropped. An OOM anywhere in the trial means "does not fit";
-    the next trial releases what this one left (`measure` starts with `start_memory_window`)."""
+def trial(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) -> dict:
+    """One arm at one batch size, in this process. accelerate keeps one state per process
+    (precision, device, plugins) and refuses an Accelerator with other settings once it exists: it
+    is reset before each trial, as accelerate's own test suite does between tests; dynamo's graphs
+    of the last compiled trial (which hold its model) are dropped, and `measure` starts with a
+    released allocator and a restarted peak (amp_recipes.meters.start_memory_window; on a CPU
+    Linux's peak resident set, restarted through /proc/self/clear_refs). An out-of-memory error
+    anywhere in the trial (the model's build, prepare(), a step) goes up as it is: the caller reads
+    it as "does not fit"; any other error is a BenchmarkCrash, never "does not fit"."""
     import traceback
 
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
-    from amp_recipes.memory import is_out_of_memory
+    from amp_recipes.measure import is_out_of_memory
 
+    started = time.monotonic()
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     torch._dynamo.reset()
     config = {k: v for k, v in vars(args).items() if k != "arms"}
-    # As in a fresh trial, the arm decides precision and compilation: `accelerate launch` exports
+    # The arm decides precision and compilation: `accelerate launch` exports
     # ACCELERATE_MIXED_PRECISION and ACCELERATE_DYNAMO_*, which every Accelerator would read.
     launched = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("ACCELERATE_")}
     try:
         return measure(config, arm, batch_size, warmup_steps, timed_steps)
     except Exception as error:
-        if is_out_of_memory(error):  # in the model's build or accelerate's prepare
-            return {"arm": arm, "batch_size": batch_size, "fits": False, "failure": "out of memory"}
-        # A bug or a bad setting: loud, never "does not fit".
+        if is_out_of_memory(error):
+            raise
         first_line = (str(error).strip().splitlines() or [""])[0]
         tail = "\n".join(traceback.format_exc().strip().splitlines()[-5:])
         message = f"the {arm} arm crashed at batch {batch_size}: {type(error).__name__}: {first_line}"
         raise BenchmarkCrash(message, tail) from None
     finally:
         os.environ.update(launched)
+        args.longest_trial_s = max(args.longest_trial_s, time.monotonic() - started)
 
 
-def trial_in_fresh_process(
-    args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int, work_dir: Path
-) -> dict:
-    """Run one arm at one batch size in a fresh Python process and return its JSON."""
-    name = f"{arm}-bs{batch_size}-{timed_steps}"
-    spec_path, result_path = work_dir / f"{name}.spec.json", work_dir / f"{name}.result.json"
-    config = {k: v for k, v in vars(args).items() if k != "arms"}
-    spec_path.write_text(
-        json.dumps(
-            {
-                "config": config,
-                "arm": arm,
-                "batch_size": batch_size,
-                "warmup_steps": warmup_steps,
-                "timed_steps": timed_steps,
-                "result_path": str(result_path),
-                "parent_pid": os.getpid(),
-            }
-        )
+def search_max_batch(args, arm: str, device, budget: int) -> dict:
+    """The arm's largest batch, by the measurement engine (amp_recipes.measure.largest_batch), each
+    trial one warm-up step and one measured: on a GPU doubled from --search_start then bisected to
+    --search_granularity under the budget's allocator cap; on a CPU the same against the peak
+    resident set with --memory_budget_gb, else predicted from the peaks at --batch_size and twice it
+    (a trial past the machine's memory would be killed, not fail). Within the arm's share of
+    --time_limit_s."""
+    import math
+
+    from amp_recipes.measure import largest_batch
+
+    search_started = time.monotonic()
+    ends = math.inf if args.search_ends is None else args.started + args.search_ends
+
+    def peak_at(batch_size: int) -> int:
+        return trial(args, arm, batch_size, 1, 1)["peak_memory_bytes"]
+
+    def say(trial: dict) -> None:
+        print(search_progress(args, arm, trial, search_started), flush=True)
+
+    return largest_batch(
+        peak_at,
+        device,
+        budget,
+        args.batch_size,
+        ends,
+        start=args.search_start,
+        maximum=args.search_max,
+        granularity=args.search_granularity,
+        search_on_cpu=bool(args.memory_budget_gb),
+        on_trial=say,
     )
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")
-    }  # the arm decides precision
-    completed = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", str(spec_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if completed.returncode != 0 or not result_path.exists():
-        tail = "\n".join(completed.stderr.strip().splitlines()[-5:])
-        # A process killed for memory (SIGKILL from the OOM killer) does not fit either.
-        if completed.returncode in (-9, 137):
-            return {
-                "arm": arm,
-                "batch_size": batch_size,
-                "fits": False,
-                "failure": "killed (out of host memory)",
-            }
-        # Anything else is a bug or a bad setting, not a batch that does not fit: stop loudly
-        # rather than report a smaller headroom or a missing arm.
-        last_line = tail.splitlines()[-1].strip() if tail else "no output"
-        raise BenchmarkCrash(
-            f"the {arm} arm crashed at batch {batch_size} (exit {completed.returncode}): {last_line}", tail
-        )
-    return json.loads(result_path.read_text())
 
 
-def search_max_batch(args, arm: str, work_dir: Path) -> dict:
-    """Largest batch that fits: double from --search_start until a trial does not fit, then bisect
-    (amp_recipes.memory.largest_fitting). Each trial starts from a released
-    allocator and a restarted peak, in a fresh process or (--in_process) in this one.
-    """
-    from amp_recipes.memory import largest_fitting
-
-    trials, search_started, longest = [], time.monotonic(), [0.0]  # the longest search trial so far
-
-    def fits(batch_size: int) -> bool:
-        if out_of_time(args, args.search_ends, longest[0]):
-            raise SearchStopped
-        trial_started = time.monotonic()
-        trial = spawn(args, arm, batch_size, 1, 1, work_dir)
-        longest[0] = max(longest[0], time.monotonic() - trial_started)
-        trials.append({k: trial.get(k) for k in ("batch_size", "fits", "peak_memory_bytes", "failure")})
-        print(search_progress(args, arm, trial, trial_started, search_started), flush=True)
-        return bool(trial["fits"])
-
-    try:
-        largest_fit, smallest_fail = largest_fitting(
-            fits, args.search_start, args.search_max, args.search_granularity
-        )
-    except SearchStopped:  # --time_limit_s: what was found so far is a lower bound
-        largest_fit = max((trial["batch_size"] for trial in trials if trial["fits"]), default=0)
-        return {
-            "max_batch_size": largest_fit or None,
-            "capped_at_search_max": True,
-            "search_stopped": "time limit",
-            "trials": trials,
-        }
-    if smallest_fail is None:
-        return {"max_batch_size": largest_fit, "capped_at_search_max": True, "trials": trials}
-    return {
-        "max_batch_size": largest_fit,
-        "first_batch_not_fitting": smallest_fail,
-        "capped_at_search_max": False,
-        "trials": trials,
-    }
-
-
-def search_progress(args, arm: str, trial: dict, trial_started: float, search_started: float) -> str:
+def search_progress(args, arm: str, trial: dict, search_started: float) -> str:
     """One line per trial of a search: the batch, whether it fit (and its peak), the time so far
     and the search's bound, e.g. `[bf16] batch 64: fits, peak 2.31 GiB (9.8 s; search 41 s of 150 s)`."""
-    now = time.monotonic()
     outcome = (
         f"fits, peak {trial['peak_memory_bytes'] / 2**30:.2f} GiB"
-        if trial.get("fits")
-        else f"does not fit ({trial.get('failure') or 'out of memory'})"
+        if trial["fits"]
+        else f"does not fit ({trial['failure']})"
     )
     bound = (
         f" of {args.search_ends - (search_started - args.started):.0f} s"
@@ -597,7 +474,7 @@ def search_progress(args, arm: str, trial: dict, trial_started: float, search_st
     )
     return (
         f"[{arm}] batch {trial['batch_size']}: {outcome} "
-        f"({now - trial_started:.1f} s; search {now - search_started:.0f} s{bound})"
+        f"({trial['seconds']:.1f} s; search {time.monotonic() - search_started:.0f} s{bound})"
     )
 
 
@@ -780,9 +657,7 @@ def report_to_wandb(args, results: dict, hardware: dict) -> None:
             dir=args.output_dir,
         )
         tracker.start()
-        tracker.store_init_configuration(
-            {**{k: v for k, v in vars(args).items() if k != "worker"}, **hardware}
-        )
+        tracker.store_init_configuration({**vars(args), **hardware})
         for step, loss in enumerate(r.get("losses") or []):
             tracker.log({"loss": loss, "step_seconds": r["step_seconds"][step]}, step=step)
         summary = {k: v for k, v in r.items() if not isinstance(v, (list, dict))}
@@ -792,7 +667,7 @@ def report_to_wandb(args, results: dict, hardware: dict) -> None:
         tracker.finish()
 
 
-def run_arms(args, hardware: dict, work_dir: Path, search_note: str | None, after_arm=None) -> dict:
+def run_arms(args, hardware: dict, device, budget: int, after_arm=None) -> dict:
     """Time each arm, then search its largest batch. An arm whose trial crashed is recorded with
     its error (`crashed`), never as "does not fit", and the others' figures are kept.
     `after_arm(results)` is called after each arm (the report, rewritten)."""
@@ -808,20 +683,32 @@ def run_arms(args, hardware: dict, work_dir: Path, search_note: str | None, afte
             results[arm] = {"arm": arm, "batch_size": args.batch_size, "fits": False, "not_run": "time limit"}
             continue
         try:
-            results[arm] = run_arm(args, arm, hardware, work_dir, search_note)
+            results[arm] = run_arm(args, arm, hardware, device, budget)
         except BenchmarkCrash as crash:  # recorded; the other arms still run and keep their figures
             print(f"[{arm}] error: {crash}; its last lines:\n{crash.tail}", flush=True)
             results[arm] = {"arm": arm, "batch_size": args.batch_size, "fits": False, "crashed": str(crash)}
     return results
 
 
-def run_arm(args, arm: str, hardware: dict, work_dir: Path, search_note: str | None) -> dict:
-    """One arm: its timed run, then (unless skipped) its largest batch."""
+def run_arm(args, arm: str, hardware: dict, device, budget: int) -> dict:
+    """One arm: its timed run (on a GPU under --memory_budget_gb's allocator cap), then (unless
+    skipped) its largest batch."""
     from amp_recipes.flops import device_peak_tflops, mfu
+    from amp_recipes.measure import allocator_cap, is_out_of_memory
 
     print(f"[{arm}] timing {args.timed_steps} steps at batch {args.batch_size} ...", flush=True)
-    result = spawn(args, arm, args.batch_size, args.warmup_steps, args.timed_steps, work_dir)
-    if result.get("fits"):
+    with allocator_cap(device, args.memory_budget_gb and budget) as card:
+        try:
+            result = {**trial(args, arm, args.batch_size, args.warmup_steps, args.timed_steps), "fits": True}
+        except Exception as error:  # noqa: BLE001 - BenchmarkCrash is not one: it goes up
+            if not is_out_of_memory(error):
+                raise
+            result = {"arm": arm, "batch_size": args.batch_size, "fits": False, "failure": "out of memory"}
+    if card:  # the card the budget emulates: its allocator's share, stated in the result
+        result["cuda_budget"] = card
+    elif args.memory_budget_gb and result.get("peak_memory_bytes", 0) > budget:  # a CPU's
+        result["fits"], result["failure"] = False, "over the memory budget"
+    if result["fits"]:
         peak = (
             device_peak_tflops(hardware["device_name"], result["precision_in_effect"])
             if hardware["device_type"] == "cuda"
@@ -829,10 +716,10 @@ def run_arm(args, arm: str, hardware: dict, work_dir: Path, search_note: str | N
         )
         result["peak_tflops"] = peak
         result["mfu"] = mfu(result["flops_per_step"], result["median_step_seconds"], peak)
-    if not args.no_search and not search_note:
+    if not args.no_search:
         print(f"[{arm}] searching the largest batch that fits ...", flush=True)
         try:
-            result.update(search_max_batch(args, arm, work_dir))
+            result.update(search_max_batch(args, arm, device, budget))
         except BenchmarkCrash as crash:  # the timed figures stand; the headroom is not measured
             print(f"[{arm}] error: {crash}; its last lines:\n{crash.tail}", flush=True)
             result["crashed"] = f"max-batch search: {crash}"
@@ -841,22 +728,21 @@ def run_arm(args, arm: str, hardware: dict, work_dir: Path, search_note: str | N
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.worker:
-        run_worker(args.worker)
-        return {}
     from accelerate import PartialState
 
-    if PartialState().num_processes > 1:
+    state = PartialState()
+    if state.num_processes > 1:
         sys.exit(
-            "error: run the benchmark as one process (each arm starts its own); drop --num_processes/--multi_gpu."
+            "error: run the benchmark as one process (it runs each arm in turn); drop --num_processes/--multi_gpu."
         )
     from amp_recipes.hardware import hardware_record
+    from amp_recipes.measure import memory_budget
     from amp_recipes.records import write_json_atomic, write_text_atomic
 
     output_dir = Path(args.output_dir)
-    work_dir = output_dir / "trials"
-    work_dir.mkdir(parents=True, exist_ok=True)
-    hardware = hardware_record()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    device = state.device
+    hardware = hardware_record(device)
     if any(precision_of(arm) == "fp8" for arm in args.arms):  # refused before any arm runs
         from amp_recipes.hardware import device_facts
         from amp_recipes.precision import fp8_refusal
@@ -864,9 +750,14 @@ def main(argv=None) -> dict:
         refusal = fp8_refusal(device_facts(), args.fp8_backend)
         if refusal:
             sys.exit(f"error: the fp8 arm: {refusal}")
+    budget = memory_budget(device, args.memory_budget_gb)
     search_note = None
-    if not args.no_search and hardware["device_type"] == "cpu" and not args.memory_budget_gb:
-        search_note = "max batch size not measured: on a CPU the search needs --memory_budget_gb"
+    if not args.no_search and device.type == "cpu" and not args.memory_budget_gb:
+        search_note = (
+            f"max batch predicted on this CPU, from the peaks at batch {args.batch_size} and "
+            f"{2 * args.batch_size}, within the {budget / 2**30:.1f} GiB free to a run (a trial past it "
+            "would be killed, not fail); --memory_budget_gb searches under that budget instead"
+        )
 
     def report(results: dict, complete: bool = False) -> tuple[dict, str]:
         """results.json and results.md, rewritten after every arm: a benchmark stopped half-way
@@ -875,7 +766,7 @@ def main(argv=None) -> dict:
         table = markdown_table(results) + (f"\n{search_note}\n" if search_note else "")
         payload = {
             "bench_id": args.bench_id,
-            "config": {k: v for k, v in vars(args).items() if k != "worker"},
+            "config": vars(args),
             "hardware": hardware,
             "arms": results,
             "search_note": search_note,
@@ -889,7 +780,7 @@ def main(argv=None) -> dict:
         )
         return payload, table
 
-    results = run_arms(args, hardware, work_dir, search_note, after_arm=report)
+    results = run_arms(args, hardware, device, budget, after_arm=report)
     payload, table = report(results, complete=True)
     plot(results, output_dir / "results.png")
     if args.report_to == "wandb":

@@ -203,7 +203,7 @@ def figures_lines(summary: dict) -> list[str]:
         ]
         for precision, speed in doctor_part["speed"].items():
             largest = doctor_part.get("largest_batch", {}).get(precision, {})
-            batch = largest.get("largest_batch")
+            batch = largest.get("max_batch_size")
             if batch is None:
                 batch = largest.get("why", "not measured")
             elif largest.get("search_stopped") or largest.get("capped_at_search_max"):

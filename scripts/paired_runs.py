@@ -90,8 +90,8 @@ OWNED = [
 ]
 HEADROOM_HEAD = {"bert_glue": "sequence", "bert_ner": "token", "bert_qa": "qa"}  # benchmark --head
 # --headroom's default bound. MiniLM-L6 at sequence length 128 (fp32 and bf16, 6 GiB cap) took
-# 935 s without one on a 2-core CPU, 525 s with this one (docs/paired-runs.md); a GPU's trials take
-# seconds.
+# 935 s without one on a 2-core CPU, 525 s with this one, with fresh-process trials
+# (docs/paired-runs.md); a GPU's trials take seconds.
 HEADROOM_BUDGET_S = 600.0
 NOT_METRICS = ("_samples", "_runtime")  # eval_samples(_mm) is a count, not a score
 
@@ -128,7 +128,11 @@ def parse_args(argv=None):
         help="Also measure each arm's largest batch that fits with scripts/benchmark_precision.py (same "
         "model, --max_seq_length, the recipe's head).",
     )
-    parser.add_argument("--memory_budget_gb", type=float, help="Cap for --headroom (required on a CPU).")
+    parser.add_argument(
+        "--memory_budget_gb",
+        type=float,
+        help="Cap for --headroom (default: on a GPU the card; on a CPU the batch is predicted within what is free).",
+    )
     parser.add_argument(
         "--headroom_budget_s",
         type=float,
@@ -223,15 +227,6 @@ def check_before_runs(parser, args) -> None:
             f"--headroom searches each precision's largest batch (+gradient_checkpointing too), not "
             f"{', '.join(modified)}: drop --headroom, or compare those arms in a pair of their own."
         )
-    searched = (args.output_dir / "headroom" / "results.json").is_file()  # reused, not searched again
-    if args.headroom and not args.memory_budget_gb and not searched:
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error(
-                "--headroom on a CPU needs --memory_budget_gb (e.g. --memory_budget_gb 6): there the "
-                "batch search stops at that cap, and the benchmark does not search without one."
-            )
     if "wandb" in args.trackers:
         mode = wandb_mode()
         if mode == "online" and not wandb_logged_in():
@@ -768,8 +763,8 @@ def plot(comparison: dict, path: Path) -> None:
 
 # ----------------------------------------------------------------------------- headroom
 def measure_headroom(args) -> dict:
-    """Each arm's largest batch that fits, from the benchmark's upward search (fresh process per
-    trial) on the recipe's model and --max_seq_length. Reused when it was measured before."""
+    """Each arm's largest batch that fits, from the benchmark's (the measurement engine's) search on
+    the recipe's model and --max_seq_length. Reused when it was measured before."""
     folder = args.output_dir / "headroom"
     results_file = folder / "results.json"
     head = args.headroom_head or HEADROOM_HEAD.get(args.recipe_name)

@@ -28,7 +28,6 @@ from families import glue_sentences
 from wandb_offline import offline_run, offline_summary
 
 from amp_recipes import doctor
-from amp_recipes.memory import CUDA_RESERVE
 
 SCALED = "bert.encoder.layer.1.output.dense"
 CONLL, SQUAD = REPO / "data" / "conll2003", REPO / "data" / "squad"
@@ -210,108 +209,6 @@ def test_the_batches_are_the_recipes_own_padded_as_each_precision_pads(name, tmp
         assert longest["start_positions" if name == "bert_qa" else "labels"].shape[0] == 20
     finally:
         reset_accelerate()
-
-
-def test_a_predicted_largest_batch_is_the_line_through_two_measured_peaks():
-    """On a CPU: the peaks at the user's batch and at twice it fix the line; the largest batch is
-    the last that stays within the budget. A peak that did not grow predicts nothing."""
-    peaks = {16: 1_000 + 16 * 40, 32: 1_000 + 32 * 40}
-    found = doctor.largest_batch(peaks.__getitem__, torch.device("cpu"), 5_000, 16, math.inf)
-    assert (found["fixed_bytes"], found["bytes_per_row"]) == (1_000, 40)
-    assert found["largest_batch"] == 100  # 1000 + 100 * 40 = 5000
-    flat = doctor.largest_batch(lambda size: 1_000, torch.device("cpu"), 5_000, 16, math.inf)
-    assert flat["largest_batch"] is None and "did not grow" in flat["why"]
-    measured = []
-
-    def near_the_budget(size):
-        measured.append(size)
-        return 3_000
-
-    near = doctor.largest_batch(near_the_budget, torch.device("cpu"), 5_000, 16, math.inf)
-    assert near["largest_batch"] is None and measured == [16]  # twice the batch is not tried
-
-
-class FakeGpu:
-    """torch.cuda's memory calls as a GPU of `total` bytes answers them: the seam is the device
-    (this machine has none); the search, its budget and its errors are the doctor's own."""
-
-    def __init__(self, monkeypatch, total=80 * 2**30, fraction=0.9):
-        self.total, self.fractions = total, [fraction]
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: self)
-        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: self.fractions[-1])
-        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set_fraction)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * 2**30, total))
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * 2**30)
-
-    @property
-    def total_memory(self):
-        return self.total
-
-    def set_fraction(self, fraction, index):
-        assert index == 0
-        self.fractions.append(fraction)
-
-
-def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatch):
-    """On a GPU: batches doubled, then bisected to a multiple of 8, under
-    set_per_process_memory_fraction: the allocator may hold the budget (by default the card) less
-    what lives outside it (the card's memory in use that the allocator does not hold: 80 GiB less
-    30 free, less this process's 2) less the reserve; an out-of-memory error (the allocator's, or
-    the driver's) means "does not fit"; the fraction set before is restored, after an error too."""
-    gpu = FakeGpu(monkeypatch)
-    cuda = torch.device("cuda")
-    budget = doctor.memory_budget(cuda, None)
-    assert budget == gpu.total  # the card
-    assert doctor.memory_budget(cuda, 16) == 16 * 2**30  # --memory_budget_gb
-    outside = (80 - 30 - 2) * 2**30
-    allocator = budget - outside - CUDA_RESERVE  # = free + this process's, less the reserve
-    assert allocator == 30 * 2**30 + 2 * 2**30 - CUDA_RESERVE
-    tried, fractions_seen = [], []
-
-    def peak_at(size):
-        tried.append(size)
-        fractions_seen.append(gpu.fractions[-1])
-        if size > 300:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        if size == 296:
-            raise RuntimeError(
-                "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"
-            )
-        return size
-
-    found = doctor.largest_batch(peak_at, cuda, budget, 16, math.inf)
-    assert found["method"] == "searched" and found["largest_batch"] == 288 and found["trials"] == len(tried)
-    assert tried[:10] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] and tried[10:] == [384, 320, 288, 304, 296]
-    assert set(fractions_seen) == {allocator / gpu.total} and gpu.fractions[-1] == 0.9
-    assert (found["budget_bytes"], found["outside_allocator_bytes"]) == (budget, outside)
-    assert (found["allocator_cap_bytes"], found["reserve_bytes"]) == (allocator, CUDA_RESERVE)
-    # A smaller card: the allocator's cap is that budget less the same outside and reserve.
-    fractions_seen.clear()
-    smaller = doctor.largest_batch(peak_at, cuda, 64 * 2**30, 16, math.inf)
-    assert set(fractions_seen) == {(64 * 2**30 - outside - CUDA_RESERVE) / gpu.total}
-    assert smaller["budget_bytes"] == 64 * 2**30
-    # --budget_s ends the search: what fit so far is a lower bound (shown "N+").
-    clock = itertools.count()
-    monkeypatch.setattr(doctor.time, "monotonic", lambda: next(clock))
-    cut = doctor.largest_batch(lambda size: size, cuda, budget, 16, deadline=3)
-    assert cut["largest_batch"] == 8 and cut["search_stopped"] == "--budget_s ran out"
-    assert gpu.fractions[-1] == 0.9
-
-    # Any other error is the user's to see, and the fraction is restored before it propagates.
-    def broken(size):
-        raise RuntimeError("expected scalar type Half but found Float")
-
-    with pytest.raises(RuntimeError, match="expected scalar type"):
-        doctor.largest_batch(broken, cuda, budget, 16, 10**9)
-    assert gpu.fractions[-1] == 0.9
-
-    # A lower cap set before (a call, PYTORCH_CUDA_ALLOC_CONF) is never raised: it is the limit.
-    gpu.fractions.append(0.2)
-    fractions_seen.clear()
-    capped = doctor.largest_batch(peak_at, cuda, budget, 16, 10**9)
-    assert set(fractions_seen) == {0.2} and gpu.fractions[-1] == 0.2
-    assert capped["allocator_cap_bytes"] == int(0.2 * gpu.total)
 
 
 def test_a_timed_step_holds_the_optimizers_states_when_fp16_skips_every_step():

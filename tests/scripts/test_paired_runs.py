@@ -357,11 +357,6 @@ def no_wandb_login(tmp_path, monkeypatch):
         ),
         (["--wandb_report"], "offline", "--wandb_report needs the runs in W&B: pass --report_to wandb"),
         (
-            ["--headroom"],
-            "offline",
-            "--headroom on a CPU needs --memory_budget_gb (e.g. --memory_budget_gb 6)",
-        ),
-        (
             ["--report_to", "wandb"],
             None,
             "--report_to wandb: W&B would run online and this machine is not logged in",
@@ -372,7 +367,7 @@ def no_wandb_login(tmp_path, monkeypatch):
             "--report_to all: W&B would run online and this machine is not logged in",
         ),
     ],
-    ids=["no-wandb-workspaces", "report-without-wandb", "headroom-without-budget", "not-logged-in", "all"],
+    ids=["no-wandb-workspaces", "report-without-wandb", "not-logged-in", "all"],
 )
 def test_what_would_fail_late_fails_before_the_first_run(
     argv, wandb_mode, message, tmp_path, monkeypatch, capsys, no_wandb_login

@@ -67,52 +67,6 @@ def test_without_torchruns_store_every_sentence_is_said(monkeypatch):
     assert first_to_say("error: x") is True
 
 
-# ----------------------------------------------------------------------------- die_with_parent
-def test_a_child_dies_with_its_parent_even_by_sigkill(tmp_path):
-    """amp_recipes.hardware.die_with_parent, as the benchmark's trials call it: the parent is
-    killed outright (no handler runs), the child goes too; a child whose parent is already gone
-    ends at once."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    child = (
-        "import os, time; from amp_recipes.hardware import die_with_parent; "
-        "die_with_parent(int(os.environ['PARENT'])); open('started', 'w').close(); time.sleep(30)"
-    )
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import os, subprocess, sys; os.environ['PARENT'] = str(os.getpid()); "
-            f"subprocess.Popen([sys.executable, '-c', {child!r}]).wait()",
-        ],
-        cwd=tmp_path,
-    )
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "started").exists():
-        assert time.monotonic() < deadline and parent.poll() is None
-        time.sleep(0.1)
-    children = subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout.split()
-    assert len(children) == 1
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    time.sleep(1)
-    state = subprocess.run(["ps", "-o", "stat=", "-p", children[0]], capture_output=True, text=True).stdout
-    assert not state.strip() or state.startswith("Z"), state  # gone, or a zombie nobody reaped yet
-    orphan = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from amp_recipes.hardware import die_with_parent; die_with_parent(1); print('lived')",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert orphan.returncode == 1 and "lived" not in orphan.stdout
-
-
 def test_a_head_of_another_size_under_zero3_init_names_the_config_setting(monkeypatch):
     """Under ZeRO-3's zero.Init transformers loads into partitioned weights and ignores
     --ignore_mismatched_sizes (transformers 5.24 raises its size-mismatch error all the same): the
