@@ -50,16 +50,16 @@ from pathlib import Path
 
 import torch
 
+from . import report as reports
 from .batches import pad_multiple
 from .errors import InputError
-from .records import write_json_atomic, write_text_atomic
+from .precision import MIXED_PRECISION
 
 FP16_MAX = 65504.0  # fp16's largest value
 OVERFLOW = 65520.0  # from here a value rounds to inf in fp16
 ZERO_EXPONENT = -25  # |x| < 2**-25 rounds to 0 in fp16 (2**-24 is its smallest subnormal)
 OFFSET, BINS = 160, 320  # frexp exponents of float32 values lie in [-148, 129]
 RECIPES = ("bert_glue", "bert_ner", "bert_qa", "bert_mlm")
-MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # the doctor's names, accelerate's
 
 
 # ----------------------------------------------------------------------------- the fp32 probe
@@ -371,23 +371,17 @@ def markdown(report: dict) -> str:
     risk = report["fp16_risk"]
     lines = [f"# Precision doctor: {report['recipe']} on {report['device']}", "", "## Recommendation", ""]
     lines += [f"- {'yes' if a['advised'] else 'no'}: {a['reason']}" for a in report["recommendation"]]
-    lines += [
-        "",
-        f"## Speed and memory at your batch ({report['per_device_train_batch_size']})",
-        "",
-        "| precision | s/step | peak memory (MiB) | largest batch | how |",
-        "|---|---|---|---|---|",
-    ]
+    lines += ["", f"## Speed and memory at your batch ({report['per_device_train_batch_size']})", ""]
+    rows = []
     for name, figures in report["speed"].items():
         largest = report["largest_batch"].get(name, {})
         fit = largest.get("max_batch_size")
         how = largest.get("method", "not measured yet (--budget_s ran out)")
-        if largest.get("capped_at_search_max") or (largest.get("search_stopped") and fit):
+        if fit is not None and (largest.get("capped_at_search_max") or largest.get("search_stopped")):
             fit = f"{fit}+"  # a lower bound: the search's cap fit too, or --budget_s stopped it
-        lines.append(
-            f"| {name} | {figures['step_time_s']:.4f} | {figures['peak_memory_bytes'] / 2**20:.0f} "
-            f"| {'—' if fit is None else fit} | {how} |"
-        )
+        time_s, peak = f"{figures['step_time_s']:.4f}", f"{figures['peak_memory_bytes'] / 2**20:.0f}"
+        rows.append([name, time_s, peak, "—" if fit is None else fit, how])
+    lines += reports.table(["precision", "s/step", "peak memory (MiB)", "largest batch", "how"], rows)
     if report["not_timed_for_budget"]:
         lines.append(f"\nNot timed (--budget_s ran out): {', '.join(report['not_timed_for_budget'])}.")
     card = next(iter(report["largest_batch"].values()), {})
@@ -431,6 +425,9 @@ def markdown(report: dict) -> str:
         )
     else:
         lines.append(f"- not on this device: {fp8['why']}")
+    hardware = report["hardware"]
+    versions = ", ".join(f"{name} {hardware[name]}" for name in ("torch", "transformers", "accelerate"))
+    lines += ["", f"Device: {report['device']} ({hardware['device_type']}); {versions}"]
     return "\n".join(lines) + "\n"
 
 
@@ -458,22 +455,27 @@ def tracker_figures(report: dict) -> dict:
     return {key: value for key, value in figures.items() if value is not None}
 
 
-def log_to_trackers(accelerator, args, report: dict) -> None:
+def log_to_trackers(args, report: dict, report_dir: str | Path) -> None:
     """With the recipe's --report_to (wandb, tensorboard), --project_name, --run_name, ...: the
     report as a tracker run of its own (W&B job type "doctor" unless --wandb_job_type says
-    otherwise): its figures in the run's summary, the recommendation as a table."""
-    from . import records
-
-    if args.report_to == "none":
-        return
-    args = argparse.Namespace(**{**vars(args), "wandb_job_type": args.wandb_job_type or "doctor"})
-    records.init_trackers(accelerator, args, {"doctor": True, **vars(args)}, None)
-    records.write_final_figures(accelerator, tracker_figures(report), step=0)
+    otherwise; TensorBoard in <report_dir>/<project_name>): its figures in the run's summary, the
+    recommendation as a table."""
+    tags = [tag.strip() for tag in (args.wandb_tags or "").split(",") if tag.strip()]
+    wandb_kwargs = {"group": args.wandb_group, "job_type": args.wandb_job_type or "doctor", "tags": tags}
     rows = [[a["precision"], a["advised"], a["reason"]] for a in report["recommendation"]]
-    for tracker in accelerator.trackers:
-        if tracker.name == "wandb":
-            tracker.log_table("recommendation", columns=["precision", "advised", "reason"], data=rows, step=0)
-    accelerator.end_training()
+    reports.log_run(
+        reports.trackers(args.report_to),
+        args.project_name,
+        args.run_name,
+        {
+            "doctor": True,
+            **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()},
+        },
+        tracker_figures(report),
+        wandb_kwargs={k: v for k, v in wandb_kwargs.items() if v},
+        tensorboard_dir=Path(report_dir) / args.project_name,
+        tables={"recommendation": (["precision", "advised", "reason"], rows)},
+    )
 
 
 # ----------------------------------------------------------------------------- the command
@@ -525,18 +527,13 @@ def diagnose(
     deadline = time.monotonic() + budget_s
     from accelerate import Accelerator
 
-    from .hardware import cpu_has_native_bf16, device_facts
+    from .hardware import cpu_has_native_bf16, hardware_record
     from .measure import largest_batch, memory_budget
     from .optim import make_optimizer
 
     args = recipe.parse_args(recipe_argv)
     torch.manual_seed(args.seed)
-    accelerator = Accelerator(
-        mixed_precision="no",
-        cpu=not torch.cuda.is_available(),
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=report_dir,  # TensorBoard's logs: beside doctor.json, not in the recipe's output folder
-    )
+    accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
     device = accelerator.device
     model, rows = model_and_rows(recipe, name, args, accelerator, probe_steps)
     model = model.to(device).train()
@@ -591,7 +588,9 @@ def diagnose(
         largest[precision] = largest_batch(
             peak_at, device, budget, args.per_device_train_batch_size, deadline
         )
-    facts = device_facts(device)
+    facts = hardware_record(
+        device
+    )  # the device's facts and the libraries' versions, as every report has them
     bf16_native = facts["bf16_supported"] if device.type == "cuda" else cpu_has_native_bf16()
     report = {
         "recipe": name,
@@ -607,8 +606,9 @@ def diagnose(
         "bf16_native": bf16_native,
         "fp8": fp8_report(model, facts, args.max_seq_length),
         "recommendation": recommend(risk, speed, bf16_native, device, len(rows.rows)),
+        "hardware": facts,
     }
-    log_to_trackers(accelerator, args, report)
+    log_to_trackers(args, report, report_dir)
     return report
 
 
@@ -649,7 +649,6 @@ def main(argv=None, started: float | None = None) -> dict:
         args.memory_budget_gb,
         args.report_dir,
     )
-    write_json_atomic(Path(args.report_dir) / "doctor.json", report)
-    write_text_atomic(Path(args.report_dir) / "doctor.md", markdown(report))
+    reports.write(args.report_dir, "doctor", report, markdown(report))
     print(markdown(report))
     return report

@@ -207,6 +207,9 @@ def largest_batch(
 
     if device.type == "cuda" or search_on_cpu:
         with allocator_cap(device, budget) as card:
+            if card and not card["allocator_cap_bytes"]:
+                why = "the budget is no larger than what lives outside PyTorch's allocator and the reserve"
+                return {"method": "searched", "max_batch_size": None, "why": why, **card, "trials": trials}
             try:
                 largest, failed = largest_fitting(fits, start, maximum, granularity)
                 found = {"max_batch_size": largest, "first_batch_not_fitting": failed}
@@ -221,10 +224,12 @@ def largest_batch(
         return {"method": "searched", **found, **(card or {"budget_bytes": budget}), "trials": trials}
     found = {"method": "predicted", "budget_bytes": budget, "trials": trials}
     try:
-        fits(batch_size)
+        if not fits(batch_size) and trials[0]["peak_memory_bytes"] is None:  # out of memory already
+            return {**found, "max_batch_size": 0, "why": "your batch ran out of memory"}
         if trials[0]["peak_memory_bytes"] > budget / 2:  # twice the batch might not fit: killed, not failed
             return {**found, "max_batch_size": None, "why": "the peak at your batch is over half the budget"}
-        fits(2 * batch_size)
+        if not fits(2 * batch_size) and trials[1]["peak_memory_bytes"] is None:
+            return {**found, "max_batch_size": batch_size, "why": "twice your batch ran out of memory"}
     except OutOfTime:
         return {**found, "max_batch_size": None, "search_stopped": "out of time"}
     small, large = (trial["peak_memory_bytes"] for trial in trials)

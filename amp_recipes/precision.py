@@ -32,6 +32,17 @@ from accelerate.utils import (
 from .errors import InputError
 from .hardware import device_facts, tf32_matmul_enabled
 
+# A precision as the reports name it (the doctor's rows, the benchmark's and the paired runs' arms)
+# -> accelerate's mixed_precision. tf32 is fp32 with TF32 matmuls allowed.
+MIXED_PRECISION = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
+
+
+def precision_of(arm: str) -> str:
+    """The precision part of an arm's name: "fp16" for "fp16", "fp16+compile" and
+    "fp16+gradient_checkpointing" (an arm is a precision, then "+modifier"s)."""
+    return arm.split("+", 1)[0]
+
+
 # Engines that own precision themselves (their own loss scaler / casting) rather than torch autocast.
 _ENGINE_OWNED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
 

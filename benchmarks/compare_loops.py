@@ -266,17 +266,16 @@ def summarise(runs: dict[str, list[dict]], reference: str) -> dict:
 
 
 def markdown(args, summary: dict) -> str:
+    from amp_recipes import report
+
     reference = args.arms[0]
     lines = [
         f"Work: {Path(args.model_name_or_path).name} on {args.task_name}, batch {args.per_device_train_batch_size}, "
         + (f"{args.max_train_steps} steps" if args.max_train_steps else f"{args.num_train_epochs} epoch(s)")
         + f", seed {args.seed}; medians of {args.repeats} run(s) per arm, arms alternating. Ratios vs {reference}"
         + " (step ratios: of the medians; median of the side-by-side runs' ratios; fastest over fastest).",
-        "",
-        "| arm | wall s | wall / epoch s | train s | step ms | step vs ref | paired | best | padding | tokens/s | peak RSS GiB | dev acc | dev F1 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    ref = summary[reference]
+    ref, rows = summary[reference], []
     for arm in args.arms:
         row = summary[arm]
         per_epoch = "" if args.max_train_steps else f"{row['wall_seconds'] / args.num_train_epochs:.1f}"
@@ -295,8 +294,10 @@ def markdown(args, summary: dict) -> str:
             f"{row['eval_accuracy']:.4f}" if "eval_accuracy" in row else "",
             f"{row['eval_f1']:.4f}" if "eval_f1" in row else "",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    header = ["arm", "wall s", "wall / epoch s", "train s", "step ms", "step vs ref", "paired", "best"]
+    header += ["padding", "tokens/s", "peak RSS GiB", "dev acc", "dev F1"]
+    return "\n".join([*lines, "", *report.table(header, rows)]) + "\n"
 
 
 def main(argv=None) -> dict:
@@ -314,13 +315,11 @@ def main(argv=None) -> dict:
                 print(f"repeat {repeat + 1}/{args.repeats} {arm}: {json.dumps(result)}", flush=True)
     summary = summarise(runs, args.arms[0])
     table = markdown(args, summary)
+    from amp_recipes import report
     from amp_recipes.hardware import hardware_record
 
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "hardware": hardware_record()}
-    (args.output_dir / "results.json").write_text(
-        json.dumps({**record, "runs": runs, "summary": summary}, indent=2)
-    )
-    (args.output_dir / "results.md").write_text(table)
+    report.write(args.output_dir, "results", {**record, "runs": runs, "summary": summary}, table)
     print(table)
     return summary
 

@@ -677,6 +677,8 @@ def model_label(path: str) -> str:
 
 
 def markdown(args, summary: dict) -> str:
+    from amp_recipes import report
+
     work = (
         f"{model_label(args.model_name_or_path)}, {args.task}"
         + (f" ({args.task_name})" if args.task == "glue" else "")
@@ -696,8 +698,7 @@ def markdown(args, summary: dict) -> str:
             f" Both under {TORCH_HUGE_PAGES}={settings[TORCH_HUGE_PAGES]} (torch: with 1, CPU tensors of "
             f"2 MB or more on transparent huge pages; the kernel's mode: {mode})."
         )
-    lines += ["| figure | recipe | Trainer | ratio or difference (95% interval) |", "|---|---|---|---|"]
-    sides = summary["sides"]
+    rows, sides = [], summary["sides"]
 
     def cell(side, name, scale=1.0, digits=1):
         figure = sides[side][name]
@@ -719,9 +720,9 @@ def markdown(args, summary: dict) -> str:
             if math.isnan(low)
             else f", geometric mean {per_seed['geometric_mean']:.3f}x [{low:.3f}, {high:.3f}]"
         )
-        lines.append(
-            f"| {label} | {cell('recipe', name, scale, digits)} | {cell('trainer', name, scale, digits)} | "
-            f"{ratio:.3f}x (per seed {seeds}{span}) |"
+        ratio_text = f"{ratio:.3f}x (per seed {seeds}{span})"
+        rows.append(
+            [label, cell("recipe", name, scale, digits), cell("trainer", name, scale, digits), ratio_text]
         )
     for name, label, digits in (
         ("machine_steal_seconds", "CPU time the hypervisor took from this machine during the run, s", 1),
@@ -731,17 +732,16 @@ def markdown(args, summary: dict) -> str:
             seeds = {
                 side: " / ".join(f"{v:.{digits}f}" for v in sides[side][name]["values"]) for side in sides
             }
-            lines.append(
-                f"| {label} | {cell('recipe', name, 1.0, digits)} | {cell('trainer', name, 1.0, digits)} | "
-                f"per seed: recipe {seeds['recipe']}, Trainer {seeds['trainer']} |"
+            per_seed = f"per seed: recipe {seeds['recipe']}, Trainer {seeds['trainer']}"
+            rows.append(
+                [label, cell("recipe", name, 1.0, digits), cell("trainer", name, 1.0, digits), per_seed]
             )
     for name, interval in summary["metrics"].items():
         low, high = interval["ci"]
         span = "" if math.isnan(low) else f" [{low:+.4f}, {high:+.4f}]"
-        lines.append(
-            f"| {name} | {cell('recipe', name, 1.0, 4)} | {cell('trainer', name, 1.0, 4)} | "
-            f"{interval['mean']:+.4f}{span}: {interval['verdict']} |"
-        )
+        difference = f"{interval['mean']:+.4f}{span}: {interval['verdict']}"
+        rows.append([name, cell("recipe", name, 1.0, 4), cell("trainer", name, 1.0, 4), difference])
+    lines += report.table(["figure", "recipe", "Trainer", "ratio or difference (95% interval)"], rows)
     lines += [
         "",
         "Set equal on both sides: " + ", ".join(SHARED) + ", seed, dynamic padding, random sampling.",
@@ -769,13 +769,13 @@ def main(argv=None) -> dict:
                 print(f"seed {seed} {side}: {json.dumps(result)}", flush=True)
     summary = summarise(args, runs)
     table = markdown(args, summary)
+    from amp_recipes import report
     from amp_recipes.hardware import hardware_record
 
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "hardware": hardware_record()}
     record["allocator_env"] = allocator_settings(args.allocator_env)  # the shell's and the flags
     payload = {**record, "runs": runs, "summary": summary, "differences": DIFFERENCES}
-    (args.output_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str))
-    (args.output_dir / "results.md").write_text(table)
+    report.write(args.output_dir, "results", payload, table)
     print(table)
     return summary
 

@@ -30,13 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = {  # arm -> (accelerate mixed_precision, TF32 matmuls allowed)
-    "fp32": ("no", False),
-    "tf32": ("no", True),
-    "fp16": ("fp16", False),
-    "bf16": ("bf16", False),
-    "fp8": ("fp8", False),  # Linear layers in fp8 (--fp8_backend), the rest bf16: Ada/Hopper GPUs only
-}
+from amp_recipes.precision import MIXED_PRECISION, precision_of
+
+# An arm is a precision of amp_recipes.precision.MIXED_PRECISION (fp32; tf32, fp32 with TF32 matmuls
+# allowed; fp16; bf16; fp8, Linear layers in fp8 (--fp8_backend) and the rest bf16, Ada/Hopper GPUs
+# only), then modifiers.
 COMPILED = "+compile"
 CHECKPOINTED = "+gradient_checkpointing"
 MODIFIERS = (CHECKPOINTED, COMPILED)  # in this order after the precision: fp16+gradient_checkpointing+compile
@@ -45,14 +43,6 @@ HEADS = {  # --head -> (transformers auto class, labels of the synthetic batches
     "token": ("AutoModelForTokenClassification", 9),  # CoNLL-2003's 9 tags
     "qa": ("AutoModelForQuestionAnswering", 2),  # start and end logits
 }  # "fp16+compile": the same arm under torch.compile, with the recipes' settings
-
-
-def precision_of(arm: str) -> str:
-    """The precision part of an arm's name: "fp16" for "fp16", "fp16+compile" and
-    "fp16+gradient_checkpointing"."""
-    for modifier in reversed(MODIFIERS):
-        arm = arm.removesuffix(modifier)
-    return arm
 
 
 def without_checkpointing(arm: str) -> str:
@@ -129,10 +119,15 @@ def parse_args(argv=None):
     parser.add_argument("--project_name", default="amp-recipes-benchmark")
     args = parser.parse_args(argv)
     args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
-    unknown = [arm for arm in args.arms if precision_of(arm) not in ARMS]
+    suffixes = ("", CHECKPOINTED, COMPILED, CHECKPOINTED + COMPILED)
+    unknown = [
+        arm
+        for arm in args.arms
+        if precision_of(arm) not in MIXED_PRECISION or arm.removeprefix(precision_of(arm)) not in suffixes
+    ]
     if unknown or not args.arms:
         parser.error(
-            f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)} (each may end in "
+            f"unknown arm(s) {unknown}; choose from {', '.join(MIXED_PRECISION)} (each may end in "
             f"{' and/or '.join(MODIFIERS)}, in that order)."
         )
     if args.model_name_or_path and args.config_name:
@@ -256,7 +251,7 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     from amp_recipes.optim import make_optimizer
     from amp_recipes.precision import describe_precision, fp8_layer_report, fp8_recipe_kwargs
 
-    mixed_precision, tf32 = ARMS[precision_of(arm)]
+    mixed_precision, tf32 = MIXED_PRECISION[precision_of(arm)], precision_of(arm) == "tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     compile_flags = argparse.Namespace(
@@ -269,7 +264,6 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
         kwargs_handlers=fp8_recipe_kwargs(mixed_precision, config["fp8_backend"]),  # the recipes' fp8 recipe
         dynamo_plugin=dynamo_plugin(compile_flags),
     )
-    compiled = CompileMonitor(compile_flags.torch_compile)
     device = accelerator.device
     baseline = start_memory_window(device)
     set_seed(config["seed"])  # same initial weights in every arm
@@ -318,6 +312,7 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
 
     # An out-of-memory error goes up to the caller: at the timed batch the arm does not fit; in a
     # search (amp_recipes.measure.largest_batch) the trial does not.
+    compiled = CompileMonitor(compile_flags.torch_compile)  # the compilation is at the first step
     try:
         timed = time_steps(step, batches, device, warmup_steps)
     finally:
@@ -380,11 +375,13 @@ def out_of_time(args) -> bool:
 
 class BenchmarkCrash(RuntimeError):
     """A trial that failed for another reason than running out of memory: the message is one line
-    (its error), `tail` the last lines of its traceback."""
+    (its error), `tail` the last lines of its traceback; `fatal` when the error was CUDA's own (an
+    illegal memory access, a device-side assert), after which the process's CUDA context is
+    unusable: the arms after it cannot run in this process."""
 
-    def __init__(self, message: str, tail: str = ""):
+    def __init__(self, message: str, tail: str = "", fatal: bool = False):
         super().__init__(message)
-        self.tail = tail
+        self.tail, self.fatal = tail, fatal
 
 
 def trial(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) -> dict:
@@ -419,7 +416,8 @@ def trial(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) 
         first_line = (str(error).strip().splitlines() or [""])[0]
         tail = "\n".join(traceback.format_exc().strip().splitlines()[-5:])
         message = f"the {arm} arm crashed at batch {batch_size}: {type(error).__name__}: {first_line}"
-        raise BenchmarkCrash(message, tail) from None
+        fatal = isinstance(error, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(error)
+        raise BenchmarkCrash(message, tail, fatal) from None
     finally:
         os.environ.update(launched)
         args.longest_trial_s = max(args.longest_trial_s, time.monotonic() - started)
@@ -529,6 +527,7 @@ def compare(results: dict) -> None:
 
 
 def markdown_table(results: dict) -> str:
+    from amp_recipes import report
     from amp_recipes.precision import describe_fp8_layers
 
     def gib(value):
@@ -538,21 +537,19 @@ def markdown_table(results: dict) -> str:
         value = (result.get("ratios_vs_fp32") or {}).get(key)
         return fmt.format(value) if value is not None else "—"
 
-    header = (
-        "| arm | ran as | peak mem (GiB) | mem drop | max batch | headroom | median step (ms) "
-        "| samples/s | speedup | MFU | loss rel. diff (max) | compile (s) |"
-    )
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    header = ["arm", "ran as", "peak mem (GiB)", "mem drop", "max batch", "headroom", "median step (ms)"]
+    header += ["samples/s", "speedup", "MFU", "loss rel. diff (max)", "compile (s)"]
+    rows = []
     for arm, r in results.items():
         if not r.get("fits"):
             reason = (
-                f"crashed: {r['crashed']}".replace("|", "\\|")
+                f"crashed: {r['crashed']}"
                 if r.get("crashed")
                 else f"not run: {r['not_run']}"
                 if r.get("not_run")
                 else f"does not fit ({r.get('failure')})"
             )
-            lines.append(f"| {arm} | {r.get('precision_in_effect', '—')} | {reason} |" + " — |" * 9)
+            rows.append([arm, r.get("precision_in_effect", "—"), reason, *["—"] * 9])
             continue
         max_batch = r.get("max_batch_size")
         max_batch_text = (
@@ -565,20 +562,29 @@ def markdown_table(results: dict) -> str:
             )
         )
         loss = r.get("loss_vs_fp32")
-        mfu_text = "—" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
-        loss_text = "—" if not loss else f"{loss['max']:.2e}"
-        compile_text = "—" if r.get("compile_seconds") is None else f"{r['compile_seconds']:.1f}"
-        lines.append(
-            f"| {arm} | {r['precision_in_effect']} | {gib(r['peak_memory_bytes'])} "
-            f"| {ratio(r, 'memory_drop_percent', '{:.1f}%')} | {max_batch_text} | {ratio(r, 'headroom', '{:.2f}x')} "
-            f"| {r['median_step_seconds'] * 1e3:.1f} | {r['samples_per_second']:.1f} | {ratio(r, 'speedup', '{:.2f}x')} "
-            f"| {mfu_text} | {loss_text} | {compile_text} |"
+        rows.append(
+            [
+                arm,
+                r["precision_in_effect"],
+                gib(r["peak_memory_bytes"]),
+                ratio(r, "memory_drop_percent", "{:.1f}%"),
+                max_batch_text,
+                ratio(r, "headroom", "{:.2f}x"),
+                f"{r['median_step_seconds'] * 1e3:.1f}",
+                f"{r['samples_per_second']:.1f}",
+                ratio(r, "speedup", "{:.2f}x"),
+                "—" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
+                "—" if not loss else f"{loss['max']:.2e}",
+                "—" if r.get("compile_seconds") is None else f"{r['compile_seconds']:.1f}",
+            ]
         )
+    lines = report.table(header, rows)
     notes = [f"- {arm}: {r['precision_note']}" for arm, r in results.items() if r.get("precision_note")]
     notes += [f"- {arm}: {describe_fp8_layers(r)}" for arm, r in results.items() if "fp8_linear_layers" in r]
     notes += [
         f"- {arm}: no ratio, {r['no_ratio_reason']}" for arm, r in results.items() if r.get("no_ratio_reason")
     ]
+    notes += [f"- {arm}: max batch not predicted, {r['why']}" for arm, r in results.items() if r.get("why")]
     for arm, r in results.items():
         ratios = r.get("ratios_vs_without_checkpointing")
         if ratios:
@@ -620,19 +626,12 @@ def plot(results: dict, path: Path) -> None:
 
 
 def report_to_wandb(args, results: dict, hardware: dict) -> None:
-    """One W&B run per arm in one group (group = benchmark id, job type = arm), via accelerate's tracker."""
-    from accelerate.tracking import WandBTracker
+    """One W&B run per arm in one group (group = benchmark id, job type = arm): its losses and step
+    times step by step, its figures in the summary, the comparison table of every arm."""
+    from amp_recipes import report
 
-    columns = [
-        "arm",
-        "ran_as",
-        "peak_memory_gib",
-        "max_batch_size",
-        "samples_per_second",
-        "speedup",
-        "memory_drop_percent",
-        "headroom",
-    ]
+    columns = ["arm", "ran_as", "peak_memory_gib", "max_batch_size", "samples_per_second"]
+    columns += ["speedup", "memory_drop_percent", "headroom"]
     rows = []
     for arm, r in results.items():
         ratios = r.get("ratios_vs_fp32") or {}
@@ -649,22 +648,22 @@ def report_to_wandb(args, results: dict, hardware: dict) -> None:
             ]
         )
     for arm, r in results.items():
-        tracker = WandBTracker(
-            args.project_name,
-            group=args.bench_id,
-            job_type=arm,
-            name=f"{args.bench_id}-{arm}",
-            dir=args.output_dir,
-        )
-        tracker.start()
-        tracker.store_init_configuration({**vars(args), **hardware})
-        for step, loss in enumerate(r.get("losses") or []):
-            tracker.log({"loss": loss, "step_seconds": r["step_seconds"][step]}, step=step)
         summary = {k: v for k, v in r.items() if not isinstance(v, (list, dict))}
         summary.update({f"ratio/{k}": v for k, v in (r.get("ratios_vs_fp32") or {}).items()})
-        tracker.tracker.summary.update(summary)
-        tracker.log_table("comparison", columns=columns, data=rows)
-        tracker.finish()
+        history = [
+            {"loss": loss, "step_seconds": seconds}
+            for loss, seconds in zip(r.get("losses") or [], r.get("step_seconds") or [], strict=True)
+        ]
+        report.log_run(
+            ["wandb"],
+            args.project_name,
+            f"{args.bench_id}-{arm}",
+            {**vars(args), **hardware},
+            summary,
+            wandb_kwargs={"group": args.bench_id, "job_type": arm, "dir": args.output_dir},
+            history=history,
+            tables={"comparison": (columns, rows)},
+        )
 
 
 def run_arms(args, hardware: dict, device, budget: int, after_arm=None) -> dict:
@@ -678,15 +677,23 @@ def run_arms(args, hardware: dict, device, budget: int, after_arm=None) -> dict:
         if args.time_limit_s is not None:  # this arm's search: an equal share of the time left
             elapsed = time.monotonic() - args.started
             args.search_ends = elapsed + (args.time_limit_s - elapsed) / (len(args.arms) - index)
-        if out_of_time(args):
-            print(f"[{arm}] not run: --time_limit_s {args.time_limit_s:.0f} reached", flush=True)
-            results[arm] = {"arm": arm, "batch_size": args.batch_size, "fits": False, "not_run": "time limit"}
+        why = (
+            f"the CUDA context is unusable after the {lost} arm's crash; run this arm on its own"
+            if (lost := next((a for a, r in results.items() if r.get("cuda_context_lost")), None))
+            else "time limit"
+            if out_of_time(args)
+            else None
+        )
+        if why:
+            print(f"[{arm}] not run: {why}", flush=True)
+            results[arm] = {"arm": arm, "batch_size": args.batch_size, "fits": False, "not_run": why}
             continue
         try:
             results[arm] = run_arm(args, arm, hardware, device, budget)
         except BenchmarkCrash as crash:  # recorded; the other arms still run and keep their figures
             print(f"[{arm}] error: {crash}; its last lines:\n{crash.tail}", flush=True)
             results[arm] = {"arm": arm, "batch_size": args.batch_size, "fits": False, "crashed": str(crash)}
+            results[arm]["cuda_context_lost"] = crash.fatal
     return results
 
 
@@ -722,7 +729,7 @@ def run_arm(args, arm: str, hardware: dict, device, budget: int) -> dict:
             result.update(search_max_batch(args, arm, device, budget))
         except BenchmarkCrash as crash:  # the timed figures stand; the headroom is not measured
             print(f"[{arm}] error: {crash}; its last lines:\n{crash.tail}", flush=True)
-            result["crashed"] = f"max-batch search: {crash}"
+            result["crashed"], result["cuda_context_lost"] = f"max-batch search: {crash}", crash.fatal
     return result
 
 
@@ -735,9 +742,9 @@ def main(argv=None) -> dict:
         sys.exit(
             "error: run the benchmark as one process (it runs each arm in turn); drop --num_processes/--multi_gpu."
         )
+    from amp_recipes import report
     from amp_recipes.hardware import hardware_record
     from amp_recipes.measure import memory_budget
-    from amp_recipes.records import write_json_atomic, write_text_atomic
 
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -759,7 +766,7 @@ def main(argv=None) -> dict:
             "would be killed, not fail); --memory_budget_gb searches under that budget instead"
         )
 
-    def report(results: dict, complete: bool = False) -> tuple[dict, str]:
+    def write_report(results: dict, complete: bool = False) -> tuple[dict, str]:
         """results.json and results.md, rewritten after every arm: a benchmark stopped half-way
         (killed, or past a deadline) keeps the arms it finished."""
         compare(results)
@@ -772,16 +779,17 @@ def main(argv=None) -> dict:
             "search_note": search_note,
             "complete": complete,
         }
-        write_json_atomic(output_dir / "results.json", payload)
-        write_text_atomic(
-            output_dir / "results.md",
+        report.write(
+            output_dir,
+            "results",
+            payload,
             f"# {args.bench_id}\n\n{hardware['device_name']}, torch {hardware['torch']}, {args.head} head, "
             f"seq_len {args.seq_len}, batch {args.batch_size}\n\n{table}",
         )
         return payload, table
 
-    results = run_arms(args, hardware, device, budget, after_arm=report)
-    payload, table = report(results, complete=True)
+    results = run_arms(args, hardware, device, budget, after_arm=write_report)
+    payload, table = write_report(results, complete=True)
     plot(results, output_dir / "results.png")
     if args.report_to == "wandb":
         report_to_wandb(args, results, hardware)

@@ -3,8 +3,8 @@
     python scripts/compare_runs.py outputs/mrpc-fp32 outputs/mrpc-fp16 --output comparison
 
 Reads each run's eval_results.json and log_history.jsonl and writes <output>.md (final metrics,
-precision, throughput, peak memory, with ratios against the first run) and <output>.png (loss
-curves). Prints the table.
+precision, throughput, peak memory, with ratios against the first run), <output>.json (each run's
+results and history) and <output>.png (loss curves). Prints the table.
 """
 
 from __future__ import annotations
@@ -27,19 +27,12 @@ def load_run(path: Path) -> dict:
 
 
 def markdown(runs: list[dict]) -> str:
+    from amp_recipes.report import table
+
     metric_names = sorted({k for run in runs for k in run["results"] if k.startswith("eval_")})
-    header = [
-        "run",
-        "precision",
-        *metric_names,
-        "train time (s)",
-        "samples/s",
-        "tokens/s",
-        "peak memory (GiB)",
-        "speedup",
-        "memory drop",
-    ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    header = ["run", "precision", *metric_names, "train time (s)", "samples/s", "tokens/s"]
+    header += ["peak memory (GiB)", "speedup", "memory drop"]
+    rows = []
     base = runs[0]["results"]
     for run in runs:
         r = run["results"]
@@ -58,8 +51,8 @@ def markdown(runs: list[dict]) -> str:
             f"{speedup:.2f}x",
             f"{drop:.1f}%",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n\nRatios are against the first run ({runs[0]['name']}).\n"
+        rows.append(cells)
+    return "\n".join(table(header, rows)) + f"\n\nRatios are against the first run ({runs[0]['name']}).\n"
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -85,18 +78,20 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> str:
+    from amp_recipes import report
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, help="Output directories of bert_glue.py runs.")
     parser.add_argument(
-        "--output", type=Path, default=Path("comparison"), help="Writes <output>.md and <output>.png."
+        "--output", type=Path, default=Path("comparison"), help="Writes <output>.md, .json and .png."
     )
     args = parser.parse_args(argv)
     if len(args.run_dirs) < 2:
         parser.error("give at least two run directories to compare.")
     runs = [load_run(path) for path in args.run_dirs]
     table = markdown(runs)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.with_suffix(".md").write_text(table)
+    payload = {"runs": [{"path": str(path), **run} for path, run in zip(args.run_dirs, runs, strict=True)]}
+    report.write(args.output.parent, args.output.name, payload, table)
     plot(runs, args.output.with_suffix(".png"))
     print(table)
     return table

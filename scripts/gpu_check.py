@@ -193,14 +193,12 @@ def paired(args, out: Path, work: Path) -> dict:
 
 def figures_lines(summary: dict) -> list[str]:
     """The headline figures: the doctor's per precision, the paired runs' against fp32."""
+    from amp_recipes import report
+
     lines = []
     doctor_part = summary["parts"].get("doctor", {})
     if doctor_part.get("speed"):
-        lines += [
-            "",
-            "| precision (doctor) | step time (ms) | peak memory (GiB) | largest batch |",
-            "|---|---|---|---|",
-        ]
+        rows = []
         for precision, speed in doctor_part["speed"].items():
             largest = doctor_part.get("largest_batch", {}).get(precision, {})
             batch = largest.get("max_batch_size")
@@ -208,9 +206,10 @@ def figures_lines(summary: dict) -> list[str]:
                 batch = largest.get("why", "not measured")
             elif largest.get("search_stopped") or largest.get("capped_at_search_max"):
                 batch = f"{batch}+"  # a lower bound, as doctor.md writes it
-            lines.append(
-                f"| {precision} | {speed['step_time_s'] * 1000:.1f} | {speed['peak_memory_bytes'] / 2**30:.2f} | {batch} |"
-            )
+            step_ms, peak = f"{speed['step_time_s'] * 1000:.1f}", f"{speed['peak_memory_bytes'] / 2**30:.2f}"
+            rows.append([precision, step_ms, peak, batch])
+        header = ["precision (doctor)", "step time (ms)", "peak memory (GiB)", "largest batch"]
+        lines += ["", *report.table(header, rows)]
     paired_part = summary["parts"].get("paired", {})
     if paired_part.get("speedup") is not None:
         verdicts = ", ".join(f"{name} {verdict}" for name, verdict in paired_part["metrics"].items())
@@ -226,15 +225,17 @@ def figures_lines(summary: dict) -> list[str]:
 def write_summary(summary: dict, out: Path) -> None:
     """summary.json and summary.md, each written aside and renamed: a check stopped at any moment
     leaves a whole summary of the parts it finished."""
+    from amp_recipes import report
+
+    rows = [
+        [name, "ok" if part["ok"] else f"NOT OK: {part['why']}", part["seconds"], f"{name}.log"]
+        for name, part in summary["parts"].items()
+    ]
     lines = [
         f"# GPU check: {summary['verdict']}",
         "",
-        "| part | verdict | seconds | log |",
-        "|---|---|---|---|",
+        *report.table(["part", "verdict", "seconds", "log"], rows),
     ]
-    for name, part in summary["parts"].items():
-        verdict = "ok" if part["ok"] else f"NOT OK: {part['why']}"
-        lines.append(f"| {name} | {verdict} | {part['seconds']} | {name}.log |")
     suite_part = summary["parts"].get("suite")
     if suite_part:
         lines += ["", f"Suite: {suite_part.get('passed', 0)} passed, {suite_part.get('skipped', 0)} skipped "]
@@ -250,13 +251,7 @@ def write_summary(summary: dict, out: Path) -> None:
     hardware = summary["hardware"]
     versions = ", ".join(f"{name} {hardware[name]}" for name in ("torch", "transformers", "accelerate"))
     lines += ["", f"Device: {summary['device']} ({hardware['device_type']}); {versions}"]
-    for name, text in (
-        ("summary.json", json.dumps(summary, indent=2)),
-        ("summary.md", "\n".join(lines) + "\n"),
-    ):
-        aside = out / f".{name}.tmp"
-        aside.write_text(text)
-        os.replace(aside, out / name)
+    report.write(out, "summary", summary, "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:

@@ -33,7 +33,6 @@ import netrc
 import os
 import secrets
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -41,17 +40,13 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from amp_recipes.precision import MIXED_PRECISION, precision_of
+
 REPO_SCRIPTS = Path(__file__).resolve().parent
 NO_WORKSPACES = (
     "--wandb_report needs the wandb-workspaces package: pip install wandb-workspaces "
     "(or pip install -e '.[report]')."
 )
-ARM_PRECISION = {
-    "fp32": "no",
-    "fp16": "fp16",
-    "bf16": "bf16",
-    "fp8": "fp8",
-}  # arm -> the recipe's --mixed_precision
 IN_EFFECT = {
     "fp32": ("fp32", "tf32"),
     "fp16": ("fp16",),
@@ -63,11 +58,6 @@ IN_EFFECT = {
 # +group_by_length (fp32+group_by_length: what length-grouped batches buy); compared with
 # fp32 like any arm. A +gradient_checkpointing arm is also compared with the arm without it.
 CHECKPOINTED = "+gradient_checkpointing"
-
-
-def precision_of(arm: str) -> str:
-    """The precision part of an arm's name: "fp16" for "fp16" and "fp16+gradient_checkpointing"."""
-    return arm.split("+", 1)[0]
 
 
 def flags_of(arm: str) -> list[str]:
@@ -169,16 +159,11 @@ def parse_args(argv=None):
     if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
         parser.error(f"--memory_budget_gb must be positive, not {args.memory_budget_gb}.")
     args.recipe_defaults = check_recipe_args(parser, args)
+    from amp_recipes.report import trackers
+
     args.trackers = trackers(args.recipe_defaults["report_to"])
     check_before_runs(parser, args)
     return args
-
-
-def trackers(report_to: str) -> list[str]:
-    """The trackers the recipe's --report_to turns on: `all` is accelerate's, every one installed."""
-    if report_to != "all":
-        return [] if report_to == "none" else [report_to]
-    return [name for name in ("wandb", "tensorboard") if importlib.util.find_spec(name) is not None]
 
 
 def wandb_mode() -> str:
@@ -286,10 +271,10 @@ def parse_arms(parser, text: str) -> list[str]:
             )
         print(f"--arms auto: fp32 and {chosen} ({reason})")
         return ["fp32", chosen]
-    unknown = [arm for arm in arms if precision_of(arm) not in ARM_PRECISION]
+    unknown = [arm for arm in arms if precision_of(arm) not in IN_EFFECT]
     if unknown or not arms:
         parser.error(
-            f"--arms: unknown {unknown or text!r}; choose from {', '.join(ARM_PRECISION)} (each may end in "
+            f"--arms: unknown {unknown or text!r}; choose from {', '.join(IN_EFFECT)} (each may end in "
             f"+<flag>, an on/off flag of the recipe: {CHECKPOINTED}) or auto."
         )
     if arms[0] != "fp32" or len(arms) < 2 or len(set(arms)) != len(arms):
@@ -366,7 +351,7 @@ def launch_command(args, arm: str, seed: int, folder: Path) -> list[str]:
         launcher += ["--config_file", args.accelerate_config]
     flags = [
         *args.recipe_args,
-        *("--mixed_precision", ARM_PRECISION[precision_of(arm)]),
+        *("--mixed_precision", MIXED_PRECISION[precision_of(arm)]),
         *flags_of(arm),  # its modifiers: --gradient_checkpointing, --group_by_length, ...
         *("--seed", str(seed), "--output_dir", str(folder)),
         *("--run_name", f"{args.group}-{arm}-seed{seed}", "--wandb_group", args.group),
@@ -644,6 +629,8 @@ def fmt(stats: dict, scale: float = 1.0, digits: int = 4) -> str:
 
 
 def markdown(comparison: dict, headroom: dict | None) -> str:
+    from amp_recipes import report
+
     arms, names = comparison["arms"], comparison["metrics"]
     hw = comparison["hardware"]
     lines = [
@@ -658,7 +645,7 @@ def markdown(comparison: dict, headroom: dict | None) -> str:
     header = ["arm", "in effect", "seeds", *names, *(label for label, _ in FIGURES.values())]
     if headroom:
         header.append("max batch")
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for arm in arms:
         a = comparison["per_arm"][arm]
         in_effect = ", ".join(a["precision_in_effect"]) or "—"
@@ -669,8 +656,8 @@ def markdown(comparison: dict, headroom: dict | None) -> str:
             size = headroom.get("max_batch_size", {}).get(arm)
             capped = headroom.get("capped_at_search_max", {}).get(arm)
             cells.append("—" if not size else f"≥{size}" if capped else str(size))
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
+        rows.append(cells)
+    lines += [*report.table(header, rows), ""]
     for arm, v in comparison["vs_fp32"].items():
         if "no_ratio_reason" in v:
             lines += [f"**{arm} vs fp32**: {v['no_ratio_reason']}.", ""]
@@ -687,13 +674,17 @@ def markdown(comparison: dict, headroom: dict | None) -> str:
             )
             + ".",
             "",
-            "| metric | difference (arm − fp32) | 95% CI | verdict |",
-            "|---|---|---|---|",
         ]
-        for name, m in v["metrics"].items():
-            ci = "—" if math.isnan(m["ci"][0]) else f"[{m['ci'][0]:+.4f}, {m['ci'][1]:+.4f}]"
-            lines.append(f"| {name} | {m['mean']:+.4f} | {ci} | {m['verdict']} |")
-        lines.append("")
+        rows = [
+            [
+                name,
+                f"{m['mean']:+.4f}",
+                "—" if math.isnan(m["ci"][0]) else f"[{m['ci'][0]:+.4f}, {m['ci'][1]:+.4f}]",
+            ]
+            + [m["verdict"]]
+            for name, m in v["metrics"].items()
+        ]
+        lines += [*report.table(["metric", "difference (arm − fp32)", "95% CI", "verdict"], rows), ""]
     for arm, v in comparison.get("vs_without_checkpointing", {}).items():
         lines += [
             f"**{arm} vs {v['against']}** (gradient checkpointing alone, paired by seed, {len(v['seeds'])} "
@@ -818,8 +809,6 @@ def measure_headroom(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- W&B and TensorBoard
-# accelerate's trackers belong to an Accelerator, which this process (it trains nothing, holds no
-# device) has no use for: the comparison goes through the W&B and TensorBoard clients themselves.
 def comparison_summary(comparison: dict) -> dict:
     """The verdict as flat figures (comparison.json's, NaN as None), per reduced arm: speedup,
     peak-memory drop, batch headroom, and each dev metric's mean difference, 95% interval and verdict."""
@@ -855,16 +844,15 @@ def comparison_summary(comparison: dict) -> dict:
     return summary
 
 
-def log_to_wandb(args, comparison: dict, png: Path) -> str:
-    """The pair's comparison as a W&B run of job type `comparison` in the pair's group: the summary
-    (comparison_summary), a table of every arm x seed (comparison.json's rows), comparison.png,
-    and the pair's config. Its id is in pair.json: a resumed pair updates the same run."""
-    import wandb
-
+def log_comparison(args, comparison: dict, table: str) -> list[str]:
+    """The pair's comparison as a W&B run of job type `comparison` in the pair's group (its summary:
+    comparison_summary; a table of every arm x seed, comparison.json's rows; comparison.png; the
+    pair's config; its id is in pair.json: a resumed pair updates the same run), and as TensorBoard
+    scalars and text in <output_dir>/logs/comparison, rewritten at every comparison of the pair."""
+    from amp_recipes import report
     from amp_recipes.hardware import library_versions
 
     columns = list(comparison["rows"][0]) if comparison["rows"] else ["arm", "seed", "status"]
-    table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in comparison["rows"]])
     config = {
         "recipe": comparison["recipe"],
         "recipe_args": shlex.join(comparison["recipe_args"]),
@@ -873,46 +861,30 @@ def log_to_wandb(args, comparison: dict, png: Path) -> str:
         "hardware": comparison["hardware"],
         "versions": library_versions(),
     }
-    run = wandb.init(
-        project=args.recipe_defaults["project_name"],
-        entity=args.wandb_entity,  # None: the default entity, as for the runs
-        group=comparison["group"],
-        job_type="comparison",
-        name=f"{comparison['group']}-comparison",
-        id=args.comparison_run_id,
-        resume="allow",
+    where = report.log_run(
+        [name for name in args.trackers if name != "wandb" or wandb_mode() != "disabled"],
+        args.recipe_defaults["project_name"],
+        f"{comparison['group']}-comparison",
+        config,
+        comparison_summary(comparison),
+        wandb_kwargs={
+            "entity": args.wandb_entity,  # None: the default entity, as for the runs
+            "group": comparison["group"],
+            "job_type": "comparison",
+            "id": args.comparison_run_id,
+            "resume": "allow",
+        },
+        tensorboard_dir=args.output_dir / "logs" / "comparison",
+        tables={"runs": (columns, [[row[c] for c in columns] for row in comparison["rows"]])},
+        images={"comparison": args.output_dir / "comparison.png"},
+        text=table,
     )
-    summary = comparison_summary(comparison)
-    try:
-        run.config.update(config, allow_val_change=True)  # a resumed pair: its arms and seeds now
-        run.log({"runs": table, "comparison": wandb.Image(str(png))})
-        # A resumed run keeps its old summary: a figure this comparison no longer has (an arm's
-        # no_ratio_reason once it ran, a headroom since dropped) must not stand beside the new ones.
-        logged = {*summary, "runs", "comparison"}
-        for key in [key for key in run.summary.keys() if key not in logged and not key.startswith("_")]:
-            del run.summary[key]
-        run.summary.update(summary)
-    finally:
-        run.finish()
-    return f"W&B comparison run {run.id} ({wandb_mode()}) in group {comparison['group']}"
-
-
-def log_to_tensorboard(args, comparison: dict, table: str) -> str:
-    """The same figures as TensorBoard scalars (step 0) and the report's text, in
-    <output_dir>/logs/comparison: rewritten from comparison.json at every comparison of the pair."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    folder = args.output_dir / "logs" / "comparison"
-    shutil.rmtree(folder, ignore_errors=True)  # the previous comparison's, derived from the same runs
-    writer = SummaryWriter(str(folder))
-    try:
-        for key, value in comparison_summary(comparison).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                writer.add_scalar(key, value, global_step=0)
-        writer.add_text("comparison", table, global_step=0)
-    finally:
-        writer.close()
-    return f"TensorBoard: {folder}"
+    said = []
+    if "wandb" in where:
+        said.append(f"W&B comparison run {where['wandb'].id} ({wandb_mode()}) in group {comparison['group']}")
+    if "tensorboard" in where:
+        said.append(f"TensorBoard: {where['tensorboard']}")
+    return said
 
 
 # ----------------------------------------------------------------------------- W&B report
@@ -982,17 +954,6 @@ def wandb_report(args, comparison: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-def json_safe(value):
-    """NaN (an sd of one seed) as null: comparison.json stays standard JSON for other tools."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -1002,19 +963,16 @@ def main(argv=None) -> dict:
     headroom = measure_headroom(args) if args.headroom else None
     comparison = compare(args, runs)
     comparison["headroom"] = headroom
-    from amp_recipes.records import write_json_atomic
+    from amp_recipes import report
 
-    plain = json_safe(comparison)  # comparison.json, and what the trackers get: NaN as null
-    write_json_atomic(args.output_dir / "comparison.json", plain)
+    plain = report.json_safe(comparison)  # comparison.json, and what the trackers get: NaN as null
     table = markdown(comparison, headroom)
-    (args.output_dir / "comparison.md").write_text(table)
+    report.write(args.output_dir, "comparison", plain, table)
     plot(comparison, args.output_dir / "comparison.png")
     print(table)
     print(f"Wrote {args.output_dir}/comparison.md, comparison.json and comparison.png")
-    if "wandb" in args.trackers and wandb_mode() != "disabled":
-        print(log_to_wandb(args, plain, args.output_dir / "comparison.png"))
-    if "tensorboard" in args.trackers:
-        print(log_to_tensorboard(args, plain, table))
+    for line in log_comparison(args, plain, table):
+        print(line)
     if args.wandb_report:
         print(wandb_report(args, comparison))
     failed = [r for r in runs if r["status"] == "failed"]

@@ -136,8 +136,13 @@ def test_the_command_writes_its_report(tmp_path):
         for figures in report["speed"].values()
     )
     assert {advice["precision"] for advice in report["recommendation"]} == {"fp16", "bf16"}
+    import accelerate
+
+    assert report["hardware"]["accelerate"] == accelerate.__version__  # the one collector's record
+    assert report["hardware"]["device_type"] == device.type
     page = (tmp_path / "report" / "doctor.md").read_text()
     assert page.startswith("# Precision doctor: bert_glue") and "## Recommendation" in page
+    assert f"; torch {torch.__version__}, " in page.splitlines()[-1]
     assert not (tmp_path / "unused").exists()  # the doctor trains nothing the recipe would save
 
 

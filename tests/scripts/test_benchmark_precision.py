@@ -187,6 +187,32 @@ def test_a_time_limit_skips_the_arms_it_leaves_no_time_for(monkeypatch):
     assert "| bf16 | — | not run: time limit |" in script.markdown_table({"bf16": results["bf16"]})
 
 
+def test_a_cuda_error_ends_the_arms_after_it_in_one_sentence(monkeypatch):
+    """An illegal memory access (or a device-side assert) leaves the process's CUDA context unusable:
+    the arm that met it is recorded with its error, the arms after it as not run, saying why,
+    instead of crashing one after the other; the arms before it keep their figures."""
+    script = load_module(SCRIPT)
+    tried = []
+
+    def fake_trial(args, arm, batch_size, warmup_steps, timed_steps):
+        tried.append(arm)
+        if arm == "fp16":
+            message = (
+                "the fp16 arm crashed at batch 32: AcceleratorError: CUDA error: an illegal memory access"
+            )
+            raise script.BenchmarkCrash(message, fatal=True)
+        return {"arm": arm, "batch_size": batch_size, "flops_per_step": 1e9, "median_step_seconds": 0.1}
+
+    monkeypatch.setattr(script, "trial", fake_trial)
+    args = script.parse_args(["--arms", "fp32,fp16,bf16", "--no_search"])
+    results = script.run_arms(args, {"device_type": "cpu", "device_name": "cpu"}, torch.device("cpu"), 2**30)
+    assert tried == ["fp32", "fp16"] and results["fp32"]["fits"]
+    assert results["fp16"]["cuda_context_lost"] and "illegal memory access" in results["fp16"]["crashed"]
+    assert results["bf16"]["not_run"] == (
+        "the CUDA context is unusable after the fp16 arm's crash; run this arm on its own"
+    )
+
+
 def test_each_arms_search_gets_its_share_of_the_time_and_says_how_it_goes(monkeypatch, capsys):
     """--time_limit_s 100 over two arms whose trials all fit and take 10 s each (a clock of the
     script's own, moved by the trials): fp32 gets half the time (its timed steps, then a search of
@@ -411,6 +437,9 @@ def test_compare_runs_on_two_real_fine_tunes(tmp_path):
     assert rows[0].split(" | ")[1] == "fp32" and rows[1].split(" | ")[1] == "bf16"
     assert "eval_f1" in table and "1.00x" in rows[0] and "0.0%" in rows[0]
     assert (tmp_path / "cmp.png").stat().st_size > 0
+    runs = json.loads((tmp_path / "cmp.json").read_text())["runs"]
+    assert [run["results"]["precision_in_effect"] for run in runs] == ["fp32", "bf16"]
+    assert runs[1]["path"] == str(tmp_path / "bf16") and any("loss" in row for row in runs[1]["history"])
 
 
 def test_compare_runs_refuses_an_unfinished_run(tmp_path):

@@ -11,6 +11,8 @@ import pytest
 from conftest import REPO, TINY_BERT, glue_flags, load_module, run
 from wandb_offline import offline_run, offline_summary
 
+from amp_recipes import report
+
 SCRIPT = REPO / "scripts" / "paired_runs.py"
 paired = load_module(SCRIPT, "paired_runs")
 
@@ -31,7 +33,7 @@ def test_paired_interval_on_a_hand_worked_example():
     one = paired.paired_interval([0.3])
     assert math.isnan(one["half_width"]) and paired.verdict("fp16", one).startswith("one seed: no verdict")
     assert paired.verdict("fp16", paired.paired_interval([])).startswith("no seed with both arms finished")
-    assert paired.json_safe({"sd": math.nan, "values": [0.3, math.nan]}) == {
+    assert report.json_safe({"sd": math.nan, "values": [0.3, math.nan]}) == {
         "sd": None,
         "values": [0.3, None],
     }

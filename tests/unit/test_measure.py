@@ -207,3 +207,33 @@ def test_timed_steps_leave_out_the_warmup_and_keep_the_first_apart(monkeypatch):
     assert timed["first_step_seconds"] == 1  # 1**2 - 0**2
     assert timed["step_seconds"] == [9 - 4, 25 - 16] and timed["losses"] == [6.0, 7.0]
     assert len(synchronized) == 6
+
+
+def test_a_prediction_whose_batch_runs_out_of_memory_says_so():
+    """On a CPU, an out-of-memory error at the user's batch (or at twice it) ends the prediction
+    with what fit, not a line through a missing peak."""
+
+    def out_of_memory_from(limit):
+        def peak_at(size):
+            if size >= limit:
+                raise RuntimeError(
+                    "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes."
+                )
+            return 1_000 + size
+
+        return peak_at
+
+    cpu = torch.device("cpu")
+    at_your_batch = measure.largest_batch(out_of_memory_from(16), cpu, 10**9, 16)
+    assert (at_your_batch["max_batch_size"], at_your_batch["why"]) == (0, "your batch ran out of memory")
+    at_twice = measure.largest_batch(out_of_memory_from(32), cpu, 10**9, 16)
+    assert (at_twice["max_batch_size"], at_twice["why"]) == (16, "twice your batch ran out of memory")
+
+
+def test_a_budget_below_what_lives_outside_the_allocator_says_so(monkeypatch):
+    """A card whose budget the CUDA context and the reserve already take: no trial, a reason."""
+    FakeGpu(monkeypatch)
+    tried = []
+    found = measure.largest_batch(tried.append, torch.device("cuda"), 2**30, 16)
+    assert found["max_batch_size"] is None and "no larger than what lives outside" in found["why"]
+    assert tried == [] and found["allocator_cap_bytes"] == 0
