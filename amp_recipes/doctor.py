@@ -302,7 +302,8 @@ def fp8_report(model, facts: dict, seq_len: int) -> dict:
     tokens, as the recipes' fp8 layer report reads them after prepare()."""
     from accelerate.utils.ao import filter_linear_layers, find_first_last_linear_layers
 
-    from .precision import FP8_BACKENDS, FP8_CAPABILITY, flop_share
+    from .measure import fp8_flop_share
+    from .precision import FP8_BACKENDS, FP8_CAPABILITY
 
     capability = facts.get("compute_capability")
     if facts["device_type"] != "cuda" or tuple(map(int, capability.split("."))) < FP8_CAPABILITY:
@@ -316,7 +317,7 @@ def fp8_report(model, facts: dict, seq_len: int) -> dict:
         "fp8_available": True,
         "fp8_linear_layers": len(fp8),
         "linear_layers": len(linear),
-        "fp8_flop_share": flop_share(model, fp8, seq_len),
+        "fp8_flop_share": fp8_flop_share(model, fp8, seq_len),
         "fp8_flop_share_seq_len": seq_len,
     }
 
@@ -379,6 +380,10 @@ def markdown(report: dict) -> str:
         how = largest.get("method", "not measured yet (--budget_s ran out)")
         if fit is not None and (largest.get("capped_at_search_max") or largest.get("search_stopped")):
             fit = f"{fit}+"  # a lower bound: the search's cap fit too, or --budget_s stopped it
+        elif largest.get("search_stopped"):
+            how += ", cut by --budget_s"
+        if largest.get("why"):
+            how += f": {largest['why']}"
         time_s, peak = f"{figures['step_time_s']:.4f}", f"{figures['peak_memory_bytes'] / 2**20:.0f}"
         rows.append([name, time_s, peak, "—" if fit is None else fit, how])
     lines += reports.table(["precision", "s/step", "peak memory (MiB)", "largest batch", "how"], rows)

@@ -1,5 +1,5 @@
-"""The measurement engine: timed training steps, the peak memory as the device reports it, and
-the largest batch that fits a memory budget. The precision doctor (`amp-recipes doctor`) and the
+"""The measurement engine: timed training steps, the peak memory as the device reports it, the
+largest batch that fits a memory budget, and fp8's share of the FLOPs. The precision doctor (`amp-recipes doctor`) and the
 precision benchmark (`scripts/benchmark_precision.py`, which `scripts/paired_runs.py --headroom`
 runs) both measure with it; each brings its own training step (the doctor's on its copy of the
 recipe's model, the benchmark's under a fresh Accelerator per trial)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 
 import torch
@@ -36,6 +37,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def cpu_peak_restarts() -> bool:
+    """Whether this process's peak resident set can be restarted before a measurement (Linux's
+    /proc/self/clear_refs, which amp_recipes.meters.start_memory_window writes): elsewhere a CPU's
+    peak only grows, and a measurement in a process that measured before holds the earlier peaks."""
+    return os.access("/proc/self/clear_refs", os.W_OK)
+
+
 def time_steps(step, batches: list, device: torch.device, warmup: int) -> dict:
     """`step(batch)` (one training step, returning its loss) on each batch, the device synchronized
     before and after each one (a GPU runs asynchronously: without it a step's time would be its
@@ -54,6 +62,22 @@ def time_steps(step, batches: list, device: torch.device, warmup: int) -> dict:
             seconds.append(elapsed)
             losses.append(float(loss))  # after the clock: reading the loss waits for the device
     return {"step_seconds": seconds, "losses": losses, "first_step_seconds": first}
+
+
+# ----------------------------------------------------------------------------- fp8's share
+def fp8_flop_share(unwrapped: torch.nn.Module, fp8_names: list[str], seq_len: int) -> float | None:
+    """The named fp8 layers' share of one forward pass's matmul FLOPs at `seq_len` tokens (attention's
+    score and weighted-sum matmuls included, which run in bf16): the doctor's, for the layers
+    accelerate would convert, and the recipes' layer report's, for those it did. None for a model the
+    meta-device copy cannot be built for (not a transformers model: no `config` to build it from)."""
+    from .flops import forward_flops_by_module
+
+    try:
+        flops = forward_flops_by_module(type(unwrapped), unwrapped.config, seq_len)
+    except (AttributeError, TypeError, NotImplementedError, RuntimeError):
+        return None
+    total = flops.pop("")
+    return sum(flops.get(name, 0) for name in fp8_names) / total if total else None
 
 
 # ----------------------------------------------------------------------------- what fits

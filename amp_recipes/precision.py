@@ -31,6 +31,7 @@ from accelerate.utils import (
 
 from .errors import InputError
 from .hardware import device_facts, tf32_matmul_enabled
+from .measure import fp8_flop_share
 
 # A precision as the reports name it (the doctor's rows, the benchmark's and the paired runs' arms)
 # -> accelerate's mixed_precision. tf32 is fp32 with TF32 matmuls allowed.
@@ -276,19 +277,6 @@ def _package_version(package: str) -> str | None:
         return None
 
 
-def flop_share(unwrapped: torch.nn.Module, fp8_names: list[str], seq_len: int) -> float | None:
-    """The fp8 layers' share of one forward pass's FLOPs; None for a model the meta-device copy
-    cannot be built for (not a transformers model: no `config` to build it from)."""
-    from .flops import forward_flops_by_module
-
-    try:
-        flops = forward_flops_by_module(type(unwrapped), unwrapped.config, seq_len)
-    except (AttributeError, TypeError, NotImplementedError, RuntimeError):
-        return None
-    total = flops.pop("")
-    return sum(flops.get(name, 0) for name in fp8_names) / total if total else None
-
-
 def fp8_layer_report(accelerator: Accelerator, model: torch.nn.Module, seq_len: int) -> dict:
     """After prepare(): how many Linear layers run in fp8, which stay in high precision, and the
     fp8 layers' share of the model's matmul FLOPs on a sequence of `seq_len` tokens (attention's
@@ -315,7 +303,7 @@ def fp8_layer_report(accelerator: Accelerator, model: torch.nn.Module, seq_len: 
         "fp8_linear_layers": len(fp8),
         "linear_layers": len(fp8) + len(high),
         "high_precision_linear_layers": high,
-        "fp8_flop_share": flop_share(unwrapped, fp8, seq_len),
+        "fp8_flop_share": fp8_flop_share(unwrapped, fp8, seq_len),
         "fp8_flop_share_seq_len": seq_len,
     }
     if not fp8:  # nothing passed the backend's filter: accelerate's bf16 autocast is all that runs

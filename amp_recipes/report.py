@@ -16,8 +16,8 @@ from .records import write_text_atomic
 
 
 def json_safe(value):
-    """NaN (an sd of one seed) as null: the JSON stays standard JSON for other tools."""
-    if isinstance(value, float) and math.isnan(value):
+    """NaN (an sd of one seed) and infinities as null: the JSON stays standard JSON for other tools."""
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: json_safe(v) for k, v in value.items()}

@@ -2,7 +2,7 @@
 
     python scripts/benchmark_precision.py --arms fp32,fp16
     accelerate launch scripts/benchmark_precision.py --arms fp32,tf32,fp16,bf16 --report_to wandb
-    python scripts/benchmark_precision.py --arms fp32,bf16 --memory_budget_gb 6   # on a CPU
+    python scripts/benchmark_precision.py --arms fp32,bf16 --memory_budget_gb 6   # a CPU: searched under 6 GiB
     python scripts/benchmark_precision.py --arms fp32,fp16,fp32+compile,fp16+compile --no_search
     python scripts/benchmark_precision.py --arms fp32,fp16,fp16+gradient_checkpointing   # the other memory lever
     python scripts/benchmark_precision.py --head qa --seq_len 384 --arms fp32,fp16,bf16   # SQuAD's shape
@@ -100,9 +100,11 @@ def parse_args(argv=None):
         "is predicted from two peaks, within what is free).",
     )
     parser.add_argument("--no_search", action="store_true", help="Skip the max-batch-size search.")
-    parser.add_argument("--search_start", type=int, default=8)
-    parser.add_argument("--search_max", type=int, default=8192, help="Largest batch size tried.")
-    parser.add_argument("--search_granularity", type=int, default=8, help="Bisection stops at this step.")
+    parser.add_argument("--search_start", type=int, default=8, help="A search's first batch size.")
+    parser.add_argument("--search_max", type=int, default=8192, help="A search's largest batch size.")
+    parser.add_argument(
+        "--search_granularity", type=int, default=8, help="A search's bisection stops at this step."
+    )
     parser.add_argument(
         "--time_limit_s",
         type=float,
@@ -115,7 +117,12 @@ def parse_args(argv=None):
     parser.add_argument("--in_process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output_dir", help="Default: bench_results/<bench_id>.")
     parser.add_argument("--bench_id", default=time.strftime("bench-%Y%m%d-%H%M%S"))
-    parser.add_argument("--report_to", choices=["none", "wandb"], default="none")
+    parser.add_argument(
+        "--report_to",
+        choices=["none", "wandb", "tensorboard", "all"],
+        default="none",
+        help="W&B: a run per arm in one group; TensorBoard: <output_dir>/logs/<arm>; all: both where installed.",
+    )
     parser.add_argument("--project_name", default="amp-recipes-benchmark")
     args = parser.parse_args(argv)
     args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
@@ -584,7 +591,14 @@ def markdown_table(results: dict) -> str:
     notes += [
         f"- {arm}: no ratio, {r['no_ratio_reason']}" for arm, r in results.items() if r.get("no_ratio_reason")
     ]
-    notes += [f"- {arm}: max batch not predicted, {r['why']}" for arm, r in results.items() if r.get("why")]
+    notes += [f"- {arm}, max batch: {r['why']}" for arm, r in results.items() if r.get("why")]
+    notes += [  # a GPU's budget: the card (or --memory_budget_gb) less what the allocator cannot hold
+        f"- {arm}, max batch within {gib(r['budget_bytes'])} GiB: PyTorch's allocator capped at "
+        f"{gib(r['allocator_cap_bytes'])} GiB ({gib(r['outside_allocator_bytes'])} GiB outside it: the CUDA "
+        f"context, other processes; {gib(r['reserve_bytes'])} GiB kept free for what CUDA adds there)"
+        for arm, r in results.items()
+        if "allocator_cap_bytes" in r
+    ]
     for arm, r in results.items():
         ratios = r.get("ratios_vs_without_checkpointing")
         if ratios:
@@ -625,9 +639,10 @@ def plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def report_to_wandb(args, results: dict, hardware: dict) -> None:
-    """One W&B run per arm in one group (group = benchmark id, job type = arm): its losses and step
-    times step by step, its figures in the summary, the comparison table of every arm."""
+def report_to_trackers(args, results: dict, hardware: dict) -> None:
+    """One tracker run per arm: in W&B in one group (group = benchmark id, job type = arm), in
+    TensorBoard in <output_dir>/logs/<arm>: its losses and step times step by step, its figures in
+    the summary, the comparison table of every arm (W&B)."""
     from amp_recipes import report
 
     columns = ["arm", "ran_as", "peak_memory_gib", "max_batch_size", "samples_per_second"]
@@ -655,12 +670,13 @@ def report_to_wandb(args, results: dict, hardware: dict) -> None:
             for loss, seconds in zip(r.get("losses") or [], r.get("step_seconds") or [], strict=True)
         ]
         report.log_run(
-            ["wandb"],
+            report.trackers(args.report_to),
             args.project_name,
             f"{args.bench_id}-{arm}",
             {**vars(args), **hardware},
             summary,
             wandb_kwargs={"group": args.bench_id, "job_type": arm, "dir": args.output_dir},
+            tensorboard_dir=Path(args.output_dir) / "logs" / arm,
             history=history,
             tables={"comparison": (columns, rows)},
         )
@@ -744,7 +760,7 @@ def main(argv=None) -> dict:
         )
     from amp_recipes import report
     from amp_recipes.hardware import hardware_record
-    from amp_recipes.measure import memory_budget
+    from amp_recipes.measure import cpu_peak_restarts, memory_budget
 
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -765,6 +781,13 @@ def main(argv=None) -> dict:
             f"{2 * args.batch_size}, within the {budget / 2**30:.1f} GiB free to a run (a trial past it "
             "would be killed, not fail); --memory_budget_gb searches under that budget instead"
         )
+    if device.type == "cpu" and not cpu_peak_restarts():
+        search_note = (search_note + "\n\n" if search_note else "") + (
+            "This system cannot restart a process's peak resident set (Linux's /proc/self/clear_refs): "
+            "every arm runs in this process, so each arm's peak memory holds the arms' before it. Run "
+            "one arm per invocation for its own peak."
+        )
+        print(f"warning: {search_note.splitlines()[-1]}", flush=True)
 
     def write_report(results: dict, complete: bool = False) -> tuple[dict, str]:
         """results.json and results.md, rewritten after every arm: a benchmark stopped half-way
@@ -791,8 +814,8 @@ def main(argv=None) -> dict:
     results = run_arms(args, hardware, device, budget, after_arm=write_report)
     payload, table = write_report(results, complete=True)
     plot(results, output_dir / "results.png")
-    if args.report_to == "wandb":
-        report_to_wandb(args, results, hardware)
+    if args.report_to != "none":
+        report_to_trackers(args, results, hardware)
     print(table)
     print(f"Wrote {output_dir}/results.json, results.md and results.png")
     crashed = [r["crashed"] for r in results.values() if r.get("crashed")]

@@ -91,7 +91,7 @@ def main(argv=None) -> str:
     runs = [load_run(path) for path in args.run_dirs]
     table = markdown(runs)
     payload = {"runs": [{"path": str(path), **run} for path, run in zip(args.run_dirs, runs, strict=True)]}
-    report.write(args.output.parent, args.output.name, payload, table)
+    report.write(args.output.parent, args.output.with_suffix("").name, payload, table)
     plot(runs, args.output.with_suffix(".png"))
     print(table)
     return table

@@ -800,7 +800,9 @@ def measure_headroom(args) -> dict:
             for arm in args.arms
             if arm.endswith(CHECKPOINTED)
         },
-        "memory_budget_gb": bench["config"].get("memory_budget_gb"),  # the search's cap, as it ran
+        # the search's budget, as it ran: --memory_budget_gb, else the card's (or what a CPU had free)
+        "memory_budget_gb": bench["config"].get("memory_budget_gb")
+        or next((r["budget_bytes"] / 2**30 for r in arms.values() if r.get("budget_bytes")), None),
         "note": bench.get("search_note")
         or stopped
         or f"largest batch at {bench['config']['seq_len']} tokens, {head} head, from {results_file}",

@@ -45,7 +45,7 @@ def benchmark(tmp_path_factory):
             "--search_start",
             256,
             "--search_granularity",
-            256,  # 256 fits, 512 does not: no bisection here (tested without processes below)
+            256,  # 256 fits, 512 does not: no bisection here (tests/unit/test_measure.py bisects)
             "--search_max",
             4096,
             "--bench_id",
@@ -53,7 +53,7 @@ def benchmark(tmp_path_factory):
             "--output_dir",
             output_dir,
             "--report_to",
-            "wandb",
+            "all",
         ],
         tmp_path,
     )
@@ -252,6 +252,39 @@ def test_each_arms_search_gets_its_share_of_the_time_and_says_how_it_goes(monkey
     assert "[bf16] batch 64: fits, peak 1.00 GiB (10.0 s; search 40 s of 40 s)" in printed
 
 
+def test_without_a_budget_a_cpu_predicts_the_batch_as_the_doctor_does(tmp_path):
+    """No --memory_budget_gb on a CPU: the largest batch is predicted from the peaks at --batch_size
+    and twice it (two trials), within what is free; the table's note says how."""
+    argv = [SCRIPT, "--config_name", TINY_BERT, "--arms", "fp32", "--seq_len", 32, "--batch_size", 4]
+    result = run(
+        [sys.executable, *argv, "--warmup_steps", 1, "--timed_steps", 2, "--output_dir", tmp_path], tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    fp32 = json.loads((tmp_path / "results.json").read_text())["arms"]["fp32"]
+    assert fp32["method"] == "predicted" and [t["batch_size"] for t in fp32["trials"]] == [4, 8]
+    line = fp32["fixed_bytes"] + fp32["max_batch_size"] * fp32["bytes_per_row"]
+    assert fp32["max_batch_size"] > 8 and line <= fp32["budget_bytes"] < line + fp32["bytes_per_row"]
+    assert (
+        "max batch predicted on this CPU, from the peaks at batch 4 and 8"
+        in (tmp_path / "results.md").read_text()
+    )
+
+
+def test_a_gpus_budget_is_stated_under_the_table():
+    """On CUDA the budget is the card's (or --memory_budget_gb's) less what lives outside PyTorch's
+    allocator and the reserve: results.md says each figure (results.json has them)."""
+    script = load_module(SCRIPT)
+    arm = {"arm": "fp16", "fits": True, "precision_in_effect": "fp16", "peak_memory_bytes": 2**30}
+    arm |= {"median_step_seconds": 0.1, "samples_per_second": 320.0, "max_batch_size": 512}
+    arm |= {"budget_bytes": 80 * 2**30, "allocator_cap_bytes": 77 * 2**30}
+    arm |= {"outside_allocator_bytes": 2 * 2**30, "reserve_bytes": 2**30}
+    assert (
+        "- fp16, max batch within 80.00 GiB: PyTorch's allocator capped at 77.00 GiB (2.00 GiB outside it: "
+        "the CUDA context, other processes; 1.00 GiB kept free for what CUDA adds there)"
+        in script.markdown_table({"fp16": arm})
+    )
+
+
 def test_fp16_on_cpu_is_not_reduced_precision_and_gets_no_ratio(benchmark):
     payload, *_ = benchmark
     fp16, bf16 = payload["arms"]["fp16"], payload["arms"]["bf16"]
@@ -264,8 +297,15 @@ def test_fp16_on_cpu_is_not_reduced_precision_and_gets_no_ratio(benchmark):
     assert 0 < bf16["loss_vs_fp32"]["max"] < 0.05
 
 
-def test_wandb_has_one_run_per_arm_in_one_group(benchmark):
-    _, output_dir, _, _ = benchmark
+def test_wandb_has_one_run_per_arm_in_one_group_and_tensorboard_a_folder_per_arm(benchmark):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    payload, output_dir, _, _ = benchmark
+    for arm, result in payload["arms"].items():
+        accumulator = EventAccumulator(str(output_dir / "logs" / arm), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        assert [point.value for point in accumulator.Scalars("loss")] == pytest.approx(result["losses"])
+        assert accumulator.Scalars("peak_memory_bytes")[0].value == pytest.approx(result["peak_memory_bytes"])
     runs = sorted((output_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 3
     job_types = set()
