@@ -51,7 +51,12 @@ def test_a_report_as_a_wandb_run_and_tensorboard_events(tmp_path, wandb_dir, mon
     assert (run.run_group, run.job_type, run.display_name) == ("bench", "fp16", "bench-fp16")
     assert config["arm"] == "fp16" and config["hardware"] == {"device_type": "cpu"}
     assert [row["loss"] for row in rows if "loss" in row] == [0.5, 0.25]
-    (table,) = [row["comparison/path"] for row in rows if row.get("comparison/_type") == "table-file"]
+    # The table's history entry: one dict (wandb 0.17) or its keys nested under "comparison/" (0.2x+).
+    entries = [
+        row.get("comparison") or {k[11:]: v for k, v in row.items() if k.startswith("comparison/")}
+        for row in rows
+    ]
+    (table,) = [entry["path"] for entry in entries if entry.get("_type") == "table-file"]
     (run_dir,) = (wandb_dir / "wandb").glob("offline-run-*")
     logged = json.loads((run_dir / "files" / table).read_text())
     assert (logged["columns"], logged["data"]) == (["arm", "speedup"], [["fp16", 1.5]])
