@@ -593,9 +593,8 @@ def diagnose(
         largest[precision] = largest_batch(
             peak_at, device, budget, args.per_device_train_batch_size, deadline
         )
-    facts = hardware_record(
-        device
-    )  # the device's facts and the libraries' versions, as every report has them
+    # The device's facts and the libraries' versions, as every report has them.
+    facts = hardware_record(device)
     bf16_native = facts["bf16_supported"] if device.type == "cuda" else cpu_has_native_bf16()
     report = {
         "recipe": name,
