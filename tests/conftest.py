@@ -418,20 +418,34 @@ def engine_env(*seams) -> dict:
 def deepspeed_built():
     """DeepSpeed compiles its CPU shared-memory collective (csrc/cpu/comm) the first time a process
     group starts on its CPU accelerator: about a minute of both cores, once per machine and Python
-    environment (then cached under ~/.cache/torch_extensions). Built here, once, so that no test
-    that times a DeepSpeed run counts the compiler's minute as the run's."""
+    environment (then cached under $TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions). Built
+    here, once, so that no test that times a DeepSpeed run counts the compiler's minute as the run's."""
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is None:
         missing_tool("DeepSpeed (pip install -e '.[deepspeed]')")
+    # torch builds under a lock file (torch.utils.file_baton) that a killed build leaves behind, and
+    # every later build then waits on it for ever. One older than any build here is named, not waited on.
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > 900:
+        pytest.fail(
+            f"{lock} is left from a killed build (over 15 minutes old): delete it, and the build runs again."
+        )
     code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "DS_ACCELERATOR": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"DeepSpeed's build did not end in 10 minutes; if {lock} is left from a killed build, delete it."
+        )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
