@@ -1,16 +1,19 @@
 """The command-line flags every recipe shares, with Hugging Face names and one meaning each:
-training, mixed precision and telemetry, evaluation / logging / output. A recipe adds its own
-data and model flags, then calls `check_shared_args`."""
+training, mixed precision and telemetry, evaluation / logging / output, and the flags of
+transformers' `run_*_no_trainer.py` examples that every recipe takes. A recipe adds its own data
+and model flags (an example's other name for one of them is another option string of the same
+flag: `"--max_seq_length", "--max_length"`), then calls `check_shared_args`. docs/migrating.md's
+table of the examples' flags is generated from the recipes' parsers."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
 
 from .errors import first_to_say
-from .migration import TRACKERS
 from .precision import fp8_backend_choice
 from .telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
 
@@ -18,10 +21,32 @@ from .telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, except that under a multi-process launch its error (the usage, then
     `<recipe>: error: ...`, exit 2) is printed once for the launch, not once per rank, and that a
-    flag must be spelled out (no abbreviations: `--hub_tok` is not quietly --hub_token)."""
+    flag must be spelled out (no abbreviations: `--hub_tok` is not quietly --hub_token).
+
+    After parsing, `written` holds {dest: the option string the command line used} of every flag
+    given. argparse keeps neither which flags were given nor under which of a flag's names, and
+    both are needed: an error names the flag as it was typed (`--max_length`, not
+    --max_seq_length), and --hf_example_defaults changes only the flags not given. Two names of one
+    flag on one command line are refused (argparse would keep the last, silently)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.written = {}
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.written = {}
+        for token in sys.argv[1:] if args is None else args:
+            if token == "--":
+                break
+            option = str(token).split("=", 1)[0]
+            action = self._option_string_actions.get(option)
+            if action is None:
+                continue
+            earlier = self.written.get(action.dest)
+            if earlier in action.option_strings and earlier != option:
+                self.error(f"{earlier} and {option} are the same setting: give one of them.")
+            self.written[action.dest] = option
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         sentence = f"{self.prog}: error: {message}\n"
@@ -66,6 +91,58 @@ def add_group_by_length_arg(group, default: bool) -> None:
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup", "constant"]
 
 
+# accelerate's trackers (LoggerType), and the package each needs.
+TRACKERS = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "comet_ml": "comet_ml",
+    "clearml": "clearml",
+    "mlflow": "mlflow",
+    "aim": "aim",
+    "dvclive": "dvclive",
+    "swanlab": "swanlab",
+    "trackio": "trackio",
+}
+
+# The no_trainer examples' defaults where they differ from the recipes' (--hf_example_defaults;
+# a recipe adds its own). `max_grad_norm` 0: the examples do not clip; `seed` None: the examples
+# seed nothing (here a seed is drawn, and recorded, since the recipes' resume and paired runs need one).
+EXAMPLE_DEFAULTS = {
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 8,
+    "learning_rate": 5e-5,
+    "weight_decay": 0.0,
+    "num_warmup_steps": 0,
+    "max_grad_norm": 0.0,
+    "seed": None,
+}
+
+
+def set_unless_given(parser: ArgumentParser, args: argparse.Namespace, values: dict) -> None:
+    """Each value into `args`, except for the flags the command line gave (--hf_example_defaults,
+    --with_tracking). A warm-up given as --warmup_ratio keeps it (no --num_warmup_steps 0 over it)."""
+    for name, value in values.items():
+        if name not in parser.written and not (
+            name == "num_warmup_steps" and "warmup_ratio" in parser.written
+        ):
+            setattr(args, name, value)
+
+
+def truthy(value: str) -> bool:
+    """A flag's written value: true/false, yes/no, 1/0."""
+    lowered = str(value).strip().lower()
+    if lowered in ("true", "yes", "1", "on"):
+        return True
+    if lowered in ("false", "no", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not {value!r}")
+
+
+def checkpoint_or_none(value: str) -> str | None:
+    """--resume_from_checkpoint: an empty value resumes nothing, as in the no_trainer examples."""
+    return value or None
+
+
 def steps_or_epoch(value: str) -> int | str:
     """--checkpointing_steps: a positive number of optimizer steps (an int), or 'epoch'."""
     if value == "epoch":
@@ -75,13 +152,25 @@ def steps_or_epoch(value: str) -> int | str:
     return int(value)
 
 
-def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> None:
+def add_shared_args(parser: argparse.ArgumentParser, output_default: str, example: str) -> None:
+    """`example`: the transformers no_trainer example the recipe stands in for (glue, ner, qa, mlm):
+    the run leaves that example's all_results.json beside its own results (`args.example`)."""
+    parser.set_defaults(example=example)
     train = parser.add_argument_group("training")
-    train.add_argument("--per_device_train_batch_size", type=int, default=32)
-    train.add_argument("--per_device_eval_batch_size", type=int, default=128)
-    train.add_argument("--learning_rate", type=float, default=2e-5)
-    train.add_argument("--weight_decay", type=float, default=0.01)
-    train.add_argument("--num_train_epochs", type=int, default=3)
+    train.add_argument(
+        "--per_device_train_batch_size", type=int, default=32, help="Training examples per device per step."
+    )
+    train.add_argument(
+        "--per_device_eval_batch_size",
+        type=int,
+        default=128,
+        help="Evaluation examples per device per batch.",
+    )
+    train.add_argument("--learning_rate", type=float, default=2e-5, help="AdamW's peak learning rate.")
+    train.add_argument(
+        "--weight_decay", type=float, default=0.01, help="AdamW's weight decay, never on biases and norms."
+    )
+    train.add_argument("--num_train_epochs", type=int, default=3, help="Passes over the training data.")
     train.add_argument("--max_train_steps", type=int, help="Stop after N optimizer steps (overrides epochs).")
     train.add_argument(
         "--gradient_accumulation_steps",
@@ -110,7 +199,12 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         help="Recompute each layer's activations in the backward instead of keeping them: less "
         "activation memory (a larger batch fits), about a third more compute.",
     )
-    train.add_argument("--seed", type=int, default=42)
+    train.add_argument(
+        "--seed",
+        type=int,
+        default=42,
+        help="Seeds the new head, dropout and shuffling: a run repeats, resumes exactly and pairs with another.",
+    )
     train.add_argument(
         "--torch_compile",
         action="store_true",
@@ -220,7 +314,7 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
         choices=["none", "all", *TRACKERS],
         default="none",
         help="Trackers: all (every one installed) or one of accelerate's (wandb, tensorboard, comet_ml, "
-        "clearml, mlflow, aim, dvclive, ...); none by default.",
+        "clearml, mlflow, aim, dvclive, ...); none by default. One not installed is refused.",
     )
     output.add_argument("--project_name", default="amp-recipes", help="W&B project / TensorBoard folder.")
     output.add_argument("--run_name", help="W&B run name.")
@@ -238,10 +332,14 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
     output.add_argument(
         "--checkpointing_steps",
         type=steps_or_epoch,
-        help="Save a checkpoint every N optimizer steps, or each 'epoch'.",
+        help="Save a checkpoint every N optimizer steps, or each 'epoch': checkpoints/checkpoint-<step>, also "
+        "as <output_dir>/step_<n> or epoch_<i> (the no_trainer examples' folders).",
     )
     output.add_argument(
-        "--resume_from_checkpoint", help="'latest' (in <output_dir>/checkpoints) or a checkpoint path."
+        "--resume_from_checkpoint",
+        type=checkpoint_or_none,
+        help="'latest' (in <output_dir>/checkpoints), a checkpoint path, or a folder a no_trainer example "
+        "saved (epoch_<i>, step_<n>); an empty value resumes nothing.",
     )
     output.add_argument("--save_total_limit", type=int, help="Keep only the newest K complete checkpoints.")
     output.add_argument(
@@ -253,6 +351,48 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str) -> Non
     output.add_argument("--hub_model_id", help="The Hub repo to push to (default: the output folder's name).")
     output.add_argument(
         "--hub_token", help="A Hub token with write access (default: HF_TOKEN or `hf auth login`)."
+    )
+
+    examples = parser.add_argument_group("transformers no_trainer examples (docs/migrating.md)")
+    examples.add_argument(
+        "--hf_example_defaults",
+        action="store_true",
+        help="The transformers example's defaults for every flag not given (batch 8, learning rate 5e-5, "
+        "no weight decay, no warm-up, no clipping, unseeded, the plain shuffle): its numbers, not the recipe's.",
+    )
+    examples.add_argument(
+        "--with_tracking",
+        action="store_true",
+        help="Trackers on: --report_to's, else every installed one (all), under the example's project "
+        "<example>_no_trainer (not --project_name's default).",
+    )
+    examples.add_argument(
+        "--pad_to_max_length",
+        action="store_true",
+        help="Pad every batch to --max_seq_length (default: each batch to its longest row).",
+    )
+    examples.add_argument(
+        "--dataset_config_name", help="The Hub dataset's configuration (with --dataset_name)."
+    )
+    examples.add_argument("--config_name", help="The config to load, if not --model_name_or_path's.")
+    examples.add_argument("--tokenizer_name", help="The tokenizer to load, if not --model_name_or_path's.")
+    examples.add_argument(
+        "--use_slow_tokenizer",
+        action="store_true",
+        help="Passed as use_fast=False; transformers 5 loads the fast tokenizer anyway (a warning says so).",
+    )
+    examples.add_argument(
+        "--trust_remote_code",
+        nargs="?",
+        const=True,
+        default=False,
+        type=truthy,
+        help="Run a model's own code from the Hub (--trust_remote_code, or --trust_remote_code true); off "
+        "unless given. datasets 4 and newer run no loading scripts at all.",
+    )
+    examples.add_argument(
+        "--model_type",
+        help="Refused: it trains a model from random weights; the recipes fine-tune a pretrained one.",
     )
 
 
@@ -292,7 +432,7 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, rang
     for name, (valid, rule) in ranges.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and valid(value)):
-            written = getattr(parser, "aliases_written", {}).get(name, f"--{name}")  # as the user wrote it
+            written = getattr(parser, "written", {}).get(name, f"--{name}")  # as the user wrote it
             parser.error(f"{written} must be {rule}, not {value}.")
 
 
@@ -323,6 +463,14 @@ def resolve_gradient_accumulation(parser: argparse.ArgumentParser, args: argpars
 
 def check_shared_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """One sentence per bad flag, before anything starts."""
+    if args.model_type:
+        parser.error(
+            f"--model_type {args.model_type} builds a model from random weights; these recipes fine-tune a "
+            "pretrained one: give --model_name_or_path (and --config_name for another configuration)."
+        )
+    missing = TRACKERS.get(args.report_to)
+    if missing and importlib.util.find_spec(missing) is None:
+        parser.error(f"--report_to {args.report_to} needs the {missing} package: pip install {missing}.")
     check_ranges(parser, args, SHARED_RANGES)
     resolve_gradient_accumulation(parser, args)  # the launcher's value, or the flag's, never both
     if (

@@ -397,7 +397,7 @@ class TrainingRun:
     def _write_all_results(self, summary: dict) -> None:
         """all_results.json, as the transformers example the recipe stands in for writes it (its
         keys; the numbers of eval_results.json), on the main process."""
-        if self.accelerator.is_main_process and getattr(self.args, "recipe_family", None):
+        if self.accelerator.is_main_process and getattr(self.args, "example", None):
             migration.write_all_results(self.args.output_dir, migration.all_results(summary, self.args))
 
     def _predictions(self) -> dict:

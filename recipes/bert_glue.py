@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("GLUE_DIR"),
         help="GLUE TSV folder (default: $GLUE_DIR, else the Hub).",
     )
+    data.add_argument(
+        "--dataset_name", help="A Hub dataset, read as your own files are (instead of --task_name)."
+    )
     data.add_argument("--train_file", help="Your own training data: .csv, .tsv, .json or .jsonl.")
     data.add_argument("--validation_file", help="Your own validation data, same format as --train_file.")
     data.add_argument(
@@ -71,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: decimal labels (0.5) mean regression, integers and names classification.",
     )
-    data.add_argument("--max_seq_length", type=int, default=128)
+    data.add_argument("--max_seq_length", "--max_length", type=int, default=128, help="Longer texts are cut.")
     data.add_argument("--max_train_samples", type=int, help="Use only the first N training examples.")
     data.add_argument(
         "--max_eval_samples", type=int, help="Use only the first N examples of each eval split."
@@ -84,14 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--ignore_mismatched_sizes", action="store_true", help="Start a new classifier head if sizes differ."
     )
-    arguments.add_shared_args(parser, output_default="outputs/<task>")  # training, precision, output flags
-    migration.add_example_args(parser, "bert_glue")  # run_glue_no_trainer.py's flags: its commands run here
+    # training, precision and output flags, and those of the no_trainer example this recipe stands in for
+    arguments.add_shared_args(parser, output_default="outputs/<task>", example="glue")
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.hf_example_defaults:  # run_glue_no_trainer.py's numbers for every flag not given, its shuffle
+        arguments.set_unless_given(parser, args, {**arguments.EXAMPLE_DEFAULTS, "group_by_length": False})
+    if args.with_tracking:  # the example's trackers: every one installed, under its project name
+        arguments.set_unless_given(parser, args, {"report_to": "all", "project_name": "glue_no_trainer"})
     if sum(map(bool, (args.task_name, args.train_file, args.dataset_name))) > 1:
         parser.error(
             "use one of --task_name (GLUE), --train_file/--validation_file (your data) or --dataset_name."
@@ -106,7 +113,6 @@ def parse_args(argv=None):
         parser.error("--do_predict with your own files needs --test_file, the examples to predict.")
     if args.task_name and args.text_columns:
         parser.error("--text_columns names the columns of --train_file; a GLUE task has its own.")
-    migration.apply_example_args(parser, args, argv, "bert_glue")  # aliases, refusals, --hf_example_defaults
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     at_least_1 = (lambda v: v >= 1, "at least 1")
     arguments.check_ranges(

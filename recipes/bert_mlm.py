@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     # argparse's parser; under a multi-process launch its error is printed once, not once per rank.
     parser = arguments.ArgumentParser(description=__doc__.splitlines()[0])
     data = parser.add_argument_group("data")
+    data.add_argument("--dataset_name", help="A Hub dataset of text (instead of --train_file).")
     data.add_argument("--train_file", help="Your text: .txt (one per line), .csv, .tsv, .json, .jsonl.")
     data.add_argument(
         "--validation_file", help="Held-out text, same format (default: a split of --train_file)."
@@ -47,11 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--max_seq_length", type=int, default=128, help="Tokens per training block.")
     data.add_argument("--mlm_probability", type=float, default=0.15, help="Share of tokens masked.")
+    data.add_argument(
+        "--line_by_line",
+        nargs="?",
+        const=True,
+        default=False,
+        type=arguments.truthy,
+        help="One sequence per non-empty line, not the text concatenated and cut (--line_by_line, or "
+        "--line_by_line true).",
+    )
+    data.add_argument(
+        "--overwrite_cache", action="store_true", help="Tokenise again instead of reading datasets' cache."
+    )
     arguments.add_worker_args(data)
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
-    arguments.add_shared_args(parser, output_default="outputs/mlm")
-    migration.add_example_args(parser, "bert_mlm")  # run_mlm_no_trainer.py's flags: its commands run here
+    # training, precision and output flags, and those of the no_trainer example this recipe stands in for
+    arguments.add_shared_args(parser, output_default="outputs/mlm", example="mlm")
     parser.set_defaults(learning_rate=5e-5, per_device_train_batch_size=32, num_train_epochs=1)
     return parser
 
@@ -59,9 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    # run_mlm_no_trainer.py's numbers for every flag not given: 3 epochs, the model's own length (None)
+    if args.hf_example_defaults:
+        example = {**arguments.EXAMPLE_DEFAULTS, "max_seq_length": None, "num_train_epochs": 3}
+        arguments.set_unless_given(parser, args, example)
+    if args.with_tracking:  # the example's trackers: every one installed, under its project name
+        arguments.set_unless_given(parser, args, {"report_to": "all", "project_name": "mlm_no_trainer"})
     if bool(args.train_file) == bool(args.dataset_name):
         parser.error("give --train_file (your text) or --dataset_name (a Hub dataset of text), one of them.")
-    migration.apply_example_args(parser, args, argv, "bert_mlm")  # aliases, refusals, --hf_example_defaults
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     ranges = {
         "max_seq_length": (lambda v: v >= 8, "at least 8"),

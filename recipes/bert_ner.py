@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     # argparse's parser; under a multi-process launch its error is printed once, not once per rank.
     parser = arguments.ArgumentParser(description=__doc__.splitlines()[0])
     data = parser.add_argument_group("data")
+    data.add_argument(
+        "--task_name",
+        choices=["ner", "pos", "chunk"],
+        default="ner",
+        help="Which tags to learn: the tags column <task>_tags when --tags_column is not given (pos is refused).",
+    )
     data.add_argument("--dataset_name", default=ner.HUB_DATASET, help="Hub dataset with tokens + ner_tags.")
     data.add_argument(
         "--dataset_revision",
@@ -75,10 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the Hub dataset's test split).",
     )
     data.add_argument(
-        "--tokens_column", help="Words column of a .json/.jsonl file (default: tokens, else the first)."
+        "--tokens_column",
+        "--text_column_name",
+        help="Words column of a .json/.jsonl file (default: tokens, else the first).",
     )
     data.add_argument(
         "--tags_column",
+        "--label_column_name",
         help="Tags column of a .json/.jsonl file (default: <task>_tags, tags or labels, else another).",
     )
     data.add_argument(
@@ -86,9 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Train on every sub-token of a word (B-X becomes I-X after the first), not only the first.",
     )
-    data.add_argument("--max_seq_length", type=int, default=128)
+    data.add_argument(
+        "--max_seq_length", "--max_length", type=int, default=128, help="Longer sentences are cut."
+    )
     data.add_argument("--max_train_samples", type=int, help="Use only the first N training sentences.")
     data.add_argument("--max_eval_samples", type=int, help="Use only the first N validation sentences.")
+    data.add_argument("--debug", action="store_true", help="The first 100 sentences of each split.")
     # off: grouped batches trained to lower CoNLL F1 (docs/performance.md)
     arguments.add_group_by_length_arg(data, default=False)
     arguments.add_worker_args(data)
@@ -97,14 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--ignore_mismatched_sizes", action="store_true", help="Start a new tagging head if sizes differ."
     )
-    arguments.add_shared_args(parser, output_default="outputs/ner")  # training, precision, output flags
-    migration.add_example_args(parser, "bert_ner")  # run_ner_no_trainer.py's flags: its commands run here
+    # training, precision and output flags, and those of the no_trainer example this recipe stands in for
+    arguments.add_shared_args(parser, output_default="outputs/ner", example="ner")
+    parser.add_argument_group("entity scores").add_argument(
+        "--return_entity_level_metrics",
+        action="store_true",
+        help="all_results.json gets each entity type's scores, and the overall ones as eval_overall_* "
+        "(eval_results.json always has them).",
+    )
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.hf_example_defaults:  # run_ner_no_trainer.py's numbers for every flag not given
+        arguments.set_unless_given(parser, args, arguments.EXAMPLE_DEFAULTS)
+    if args.with_tracking:  # the example's trackers: every one installed, under its project name
+        arguments.set_unless_given(parser, args, {"report_to": "all", "project_name": "ner_no_trainer"})
+    if args.debug:  # the example's --debug: the first 100 sentences of each split
+        args.max_train_samples = min(args.max_train_samples or 100, 100)
+        args.max_eval_samples = min(args.max_eval_samples or 100, 100)
     if bool(args.train_file) != bool(args.validation_file):
         parser.error("give both --train_file and --validation_file (or neither: the Hub's CoNLL-2003).")
     if args.test_file and not args.do_predict:
@@ -116,7 +141,6 @@ def parse_args(argv=None):
             "--task_name pos: part-of-speech tags (NN, VB, ...) are not entity spans, which this recipe "
             "learns and scores (seqeval); use ner or chunk (B-NP, I-NP, ...)."
         )
-    migration.apply_example_args(parser, args, argv, "bert_ner")  # aliases, refusals, --hf_example_defaults
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     at_least_1 = (lambda v: v >= 1, "at least 1")
     arguments.check_ranges(

@@ -89,25 +89,34 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max_query_length", type=int, default=64, help="Longer questions are cut to this.")
     data.add_argument("--max_train_samples", type=int, help="Use only the first N training questions.")
     data.add_argument("--max_eval_samples", type=int, help="Use only the first N validation questions.")
+    data.add_argument(
+        "--max_predict_samples", type=int, help="Use only the first N questions of --test_file."
+    )
+    data.add_argument(
+        "--overwrite_cache", action="store_true", help="Tokenise again instead of reading datasets' cache."
+    )
     # off: not measured on QA yet (docs/performance.md)
     arguments.add_group_by_length_arg(data, default=False)
     arguments.add_worker_args(data)
     qa.add_answer_args(parser.add_argument_group("answers"))  # how logits become answers (qa.postprocess)
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", default="bert-base-uncased", help="Hub id or local directory.")
-    arguments.add_shared_args(parser, output_default="outputs/qa")  # training, precision, output flags
-    migration.add_example_args(parser, "bert_qa")  # run_qa_no_trainer.py's flags: its commands run here
+    # training, precision and output flags, and those of the no_trainer example this recipe stands in for
+    arguments.add_shared_args(parser, output_default="outputs/qa", example="qa")
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.hf_example_defaults:  # run_qa_no_trainer.py's numbers for every flag not given
+        arguments.set_unless_given(parser, args, arguments.EXAMPLE_DEFAULTS)
+    if args.with_tracking:  # the example's trackers: every one installed, under its project name
+        arguments.set_unless_given(parser, args, {"report_to": "all", "project_name": "qa_no_trainer"})
     if bool(args.train_file) != bool(args.validation_file):
         parser.error("give both --train_file and --validation_file (or neither: the Hub's SQuAD).")
     if bool(args.test_file) != args.do_predict:  # SQuAD has no test split on the Hub
         parser.error("--do_predict answers the questions of --test_file: give both, or neither.")
-    migration.apply_example_args(parser, args, argv, "bert_qa")  # aliases, refusals, --hf_example_defaults
     arguments.check_shared_args(parser, args)  # every shared numeric flag in range, no conflicting flags
     at_least_1 = (lambda v: v >= 1, "at least 1")
     limits = ["max_seq_length", "doc_stride", "max_query_length", "max_train_samples", "max_eval_samples"]

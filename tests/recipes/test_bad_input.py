@@ -34,7 +34,6 @@ from pathlib import Path
 import pytest
 from conftest import RECIPES, TINY_BERT, reset_accelerate
 
-from amp_recipes import migration
 from amp_recipes.outputs import LOCK, release_held
 
 ERROR_LINE = r"^(bert_\w+\.py: )?error: "
@@ -537,14 +536,12 @@ def numeric_flag_cases():
     from amp_recipes.arguments import add_shared_args
 
     shared_parser = argparse.ArgumentParser()
-    add_shared_args(shared_parser, output_default="")
+    add_shared_args(shared_parser, output_default="", example="glue")
     shared = {action.dest for action in shared_parser._actions}
     for recipe in ALL:
         parser = load_recipe(recipe).build_parser()
         for action in parser._actions:
             if action.type not in (int, float) or action.choices:
-                continue
-            if isinstance(action, migration._Alias):  # another name for a flag tested here (test_migration)
                 continue
             if recipe in ("bert_ner", "bert_qa") and action.dest in shared:  # bert_glue's rows test them
                 continue

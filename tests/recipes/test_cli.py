@@ -79,8 +79,13 @@ def small_csvs(folder):
         (folder / name).write_text("\n".join(lines) + "\n")
 
 
-def test_a_copied_recipe_runs_outside_the_repository(tmp_path):
+def test_a_copied_recipe_runs_outside_the_repository_under_its_own_name(tmp_path):
+    """`amp-recipes cp`, then the copy renamed throughout (`sed s/bert_glue/my_task/g`): it runs from
+    another folder with nothing of the checkout on the path, with every flag, the no_trainer
+    example's --with_tracking included (its trackers under the example's project name)."""
     assert sh([*CLI, "cp", "bert_glue", tmp_path / "my_task.py"], tmp_path).returncode == 0
+    copy = tmp_path / "my_task.py"
+    copy.write_text(copy.read_text().replace("bert_glue", "my_task"))
     small_csvs(tmp_path)
     argv = [
         sys.executable,
@@ -92,10 +97,14 @@ def test_a_copied_recipe_runs_outside_the_repository(tmp_path):
     ]
     argv += ["--text_columns", "review", "--label_column", "stars", "--model_name_or_path", TINY_BERT]
     argv += ["--max_train_steps", 2, "--per_device_train_batch_size", 4, "--output_dir", "out"]
+    argv += ["--with_tracking", "--report_to", "tensorboard"]
     done = sh(argv, tmp_path, PYTHONPATH="")  # nothing from the checkout on the path
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     assert results["train_steps"] == 2 and results["eval_samples"] == 20
+    all_results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert all_results["eval_accuracy"] == results["eval_accuracy"]
+    assert any((tmp_path / "out" / "glue_no_trainer").rglob("events.out.tfevents*"))
 
 
 # ----------------------------------------------------------------------------- "Make it your own"
@@ -114,7 +123,7 @@ def test_the_docs_have_three_adaptations():
 def test_adaptation_applies_to_a_copy_and_runs(tmp_path, title):
     assert sh([*CLI, "cp", "bert_glue", tmp_path / "my_task.py"], tmp_path).returncode == 0
     patched = subprocess.run(
-        ["patch", "--no-backup-if-mismatch", "my_task.py"],
+        ["patch", "--fuzz=0", "--no-backup-if-mismatch", "my_task.py"],
         input=documented_adaptations()[title],
         cwd=tmp_path,
         capture_output=True,

@@ -2,8 +2,9 @@
 (issue #64; docs/migrating.md).
 
 - Every flag of the four examples' parsers (tests/data/no_trainer/flags.json, read from their
-  source) is in amp_recipes.migration.FLAGS, and the recipe takes it with the example's meaning,
-  or refuses it in one sentence; a flag a newer release adds is named.
+  source) is a flag of the recipe's own parser (the same flag, or another option string of one),
+  taken with the example's meaning or refused in one sentence; a flag a newer release adds is
+  named; docs/migrating.md's table is the one generated from the parsers.
 - The examples' own test command lines run on the recipes, on data of our own in the examples'
   formats (tests/data/no_trainer), and leave all_results.json with the example's keys beside
   eval_results.json, from the same numbers. Only the model and the files are ours: a tiny BERT for
@@ -24,7 +25,6 @@ import torch
 from conftest import RECIPES, REPO, TINY_BERT, accelerate_launch, load_recipe, reset_accelerate, run
 from safetensors.torch import load_file
 
-from amp_recipes import migration
 from amp_recipes.checkpoint import LATEST, MARKER
 
 FIXTURES = REPO / "tests" / "data" / "no_trainer"
@@ -92,11 +92,11 @@ def every_example_flag():
 
 @pytest.mark.parametrize("recipe, flag, spec", every_example_flag())
 def test_every_flag_of_the_example_is_taken_or_refused_in_one_sentence(recipe, flag, spec, capsys):
-    row = migration.FLAGS[flag]
-    assert recipe in row.examples, f"{flag} of {recipe}'s example is not in amp_recipes.migration.FLAGS"
     module = load_recipe(recipe)
+    action = module.build_parser()._option_string_actions.get(flag)
+    assert action is not None, f"{flag} of {recipe}'s example is not a flag of the recipe"
     tokens = example_tokens(recipe, flag, spec)
-    if row.how == "refused":
+    if action.help.startswith("Refused"):
         with pytest.raises(SystemExit):
             module.parse_args([*base_argv(recipe, flag), *tokens])
         error = capsys.readouterr().err.strip().splitlines()[-1]
@@ -105,8 +105,8 @@ def test_every_flag_of_the_example_is_taken_or_refused_in_one_sentence(recipe, f
         )
         return
     args = module.parse_args([*base_argv(recipe, flag), *tokens])
-    dest = (row.target or flag)[2:]
-    if row.how == "alias":
+    dest = action.dest
+    if action.option_strings[0] != flag:  # another name of the recipe's flag
         assert str(getattr(args, dest)) == tokens[1]  # the recipe's own flag holds the example's value
     elif flag == "--resume_from_checkpoint":
         assert args.resume_from_checkpoint is None  # the example's empty value: no resume
@@ -115,20 +115,24 @@ def test_every_flag_of_the_example_is_taken_or_refused_in_one_sentence(recipe, f
     reset_accelerate()
 
 
-def test_a_flag_a_newer_release_adds_or_drops_is_named():
+def test_a_flag_a_newer_release_adds_is_named():
     """scripts/no_trainer_flags.py's check, on the snapshot as a newer release might read."""
     assert no_trainer_flags.gaps(SNAPSHOT) == []
     newer = {recipe: dict(flags) for recipe, flags in SNAPSHOT.items()}
     newer["bert_glue"]["--low_cpu_mem_usage"] = {"action": '"store_true"'}
-    del newer["bert_qa"]["--doc_stride"]
     assert no_trainer_flags.gaps(newer) == [
-        "bert_glue: --low_cpu_mem_usage is not in amp_recipes.migration.FLAGS",
-        "bert_qa: the table lists --doc_stride, which the script no longer has",
+        "bert_glue: --low_cpu_mem_usage of its example is not a flag of the recipe"
     ]
 
 
-def test_the_migration_page_shows_the_table_as_it_is():
-    assert migration.flag_table() in (REPO / "docs" / "migrating.md").read_text()
+def test_the_migration_page_shows_the_table_the_parsers_make():
+    """The table is generated from the recipes' parsers (`python scripts/no_trainer_flags.py --docs`)."""
+    table = no_trainer_flags.table(SNAPSHOT)
+    assert "| `--max_length` | glue, ner | alias of `--max_seq_length` | 128 (128) |" in table
+    assert "| `--model_type` | ner, qa, mlm | refused |" in table
+    assert table in (REPO / "docs" / "migrating.md").read_text(), (
+        "run python scripts/no_trainer_flags.py --docs"
+    )
 
 
 def test_the_example_defaults_on_request(capsys):
@@ -266,7 +270,7 @@ ALL_RESULTS_KEYS = {  # the example's all_results.json keys (ours may add, never
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", list(migration.EXAMPLES))
+@pytest.mark.parametrize("recipe", list(no_trainer_flags.EXAMPLES))
 def test_the_examples_test_command_runs_unchanged_and_leaves_all_results_json(recipe, base_model, tmp_path):
     output_dir = tmp_path / "out"
     result = run(
@@ -289,7 +293,7 @@ def test_the_examples_test_command_runs_unchanged_and_leaves_all_results_json(re
     assert checkpoints and results["train_steps"] == int(checkpoints[-1].split("-")[1])  # one per epoch
     assert (output_dir / "epoch_0" / MARKER).is_file()  # what the example's test asserts: epoch_0 exists
     # --with_tracking: every installed tracker, in the example's project (TensorBoard's folder).
-    project = f"{migration.TRACKING_PROJECTS[recipe]}_no_trainer"
+    project = f"{recipe.removeprefix('bert_')}_no_trainer"
     assert (output_dir / project).is_dir() and any((output_dir / project).rglob("events.out.tfevents*"))
 
 
@@ -305,7 +309,7 @@ README_COMMANDS = {  # the no_trainer command line of each example's README, our
 }
 
 
-@pytest.mark.parametrize("recipe", list(migration.EXAMPLES))
+@pytest.mark.parametrize("recipe", list(no_trainer_flags.EXAMPLES))
 def test_the_readme_command_parses_and_offline_stops_with_one_sentence(recipe, base_model, tmp_path):
     """The README's command reads the Hub's dataset: every flag parses with the example's meaning,
     and here, offline, the run stops before any training with the one sentence that says why."""
