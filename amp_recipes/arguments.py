@@ -35,7 +35,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         self.written = {}
-        for token in sys.argv[1:] if args is None else args:
+        args = sys.argv[1:] if args is None else list(args)  # read twice: here, then by argparse
+        for token in args:
             if token == "--":
                 break
             option = str(token).split("=", 1)[0]
@@ -190,7 +191,7 @@ def add_shared_args(parser: argparse.ArgumentParser, output_default: str, exampl
     train.add_argument(
         "--num_warmup_steps",
         type=int,
-        help="Optimizer steps of linear LR warm-up (overrides --warmup_ratio).",
+        help="Optimizer steps of linear LR warm-up (overrides --warmup_ratio; default: --warmup_ratio's share).",
     )
     train.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient clipping; 0 turns it off.")
     train.add_argument(

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         type=arguments.truthy,
         help="One sequence per non-empty line, not the text concatenated and cut (--line_by_line, or "
-        "--line_by_line true).",
+        "--line_by_line true; false is false here, where the example reads any value as true).",
     )
     data.add_argument(
         "--overwrite_cache", action="store_true", help="Tokenise again instead of reading datasets' cache."

@@ -131,9 +131,13 @@ def table(read: dict[str, dict]) -> str:
             else ("same" if a.option_strings[0] == flag else f"alias of `{a.option_strings[0]}`")
             for r, a in actions.items()
         }
-        theirs = {_their_default(read[r][flag]) for r in recipes}
-        default = (
-            f"{_cell({r: _default(a.default) for r, a in actions.items()})} ({', '.join(sorted(theirs))})"
+        default = _cell(
+            {
+                short[
+                    r
+                ]: f"{_default(parsers[r]._option_string_actions[flag].default)} ({_their_default(read[r][flag])})"
+                for r in recipes
+            }
         )
         what = _cell({r: (a.help or "").replace("|", "\\|").replace("<", "&lt;") for r, a in actions.items()})
         lines.append(f"| `{flag}` | {', '.join(actions)} | {_cell(how)} | {default} | {what} |")
@@ -157,11 +161,15 @@ def main(argv=None) -> int:
     parser.add_argument("examples", type=Path, nargs="?", help="transformers' examples/pytorch folder.")
     parser.add_argument("--write", action="store_true", help=f"Store the flags read in {SNAPSHOT}.")
     parser.add_argument("--commit", help="The transformers commit the folder is at (recorded with --write).")
-    parser.add_argument("--docs", action="store_true", help=f"Write the table of {PAGE} from the snapshot.")
+    parser.add_argument(
+        "--docs",
+        action="store_true",
+        help=f"Write the table of {PAGE} (from the examples read, else the snapshot).",
+    )
     args = parser.parse_args(argv)
     if args.examples is None:
-        if not args.docs:
-            parser.error("give the examples' folder, or --docs.")
+        if not args.docs or args.write:
+            parser.error("give the examples' folder (--write stores what is read from it), or --docs alone.")
         read = json.loads(SNAPSHOT.read_text())["examples"]
     else:
         read = read_examples(args.examples)

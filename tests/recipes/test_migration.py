@@ -201,6 +201,7 @@ resume = None if sys.argv[1] == "none" else sys.argv[1]
 args = argparse.Namespace(seed=None, resume_from_checkpoint=resume)
 migration.settle_seed(accelerator, args, Path(resume or "."))
 print(f"rank {accelerator.process_index} seed {args.seed}", flush=True)
+accelerator.end_training()  # the process group ended before exit: else gloo can abort the exit
 """
 
 
