@@ -25,7 +25,6 @@ from accelerate.logging import get_logger
 from accelerate.utils import SCALER_NAME
 
 from .errors import WRITE_ERRORS, CheckpointError, write_failure
-from .migration import example_checkpoint
 from .outputs import is_example_name
 from .records import fsync_dir, fsync_tree, write_json_atomic
 
@@ -256,6 +255,24 @@ def restore_grad_scaler(accelerator, checkpoint: Path) -> None:
 
 
 FRESH_RUN = {"global_step": 0, "epoch": 0, "batches_in_epoch": 0, "tracker_run_id": None, "log_epoch": 0}
+
+
+def example_checkpoint(path: Path) -> tuple[str, int] | None:
+    """("epoch", i) or ("step", n) for a folder the examples' --checkpointing_steps wrote with
+    accelerator.save_state (`epoch_<i>`, `step_<n>`, holding the model and the optimizer's state);
+    None for a folder not so named. One so named in a layout the recipe cannot load (FSDP's or
+    DeepSpeed's shards) is refused in one sentence."""
+    if not is_example_name(Path(path).name):
+        return None
+    kind, _, number = Path(path).name.partition("_")
+    files = {p.name for p in Path(path).iterdir()} if Path(path).is_dir() else set()
+    if not (files & {"model.safetensors", "pytorch_model.bin"} and "optimizer.bin" in files):
+        raise CheckpointError(
+            f"{path} is named as a transformers example's checkpoint but holds no model.safetensors (or "
+            "pytorch_model.bin) with optimizer.bin: the recipes resume the examples' one-process and DDP "
+            "saves, not FSDP's or DeepSpeed's sharded ones; start a fresh run, or resume it with the example."
+        )
+    return kind, int(number)
 
 
 def resume(accelerator, value: str | None, checkpoints_dir: Path, identity: dict, layout=None) -> dict:

@@ -19,24 +19,9 @@ import ast
 import shutil
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
-TIERS = {  # name prefix -> what the tier is (the repository's recipes/ and recipes/minimal/)
-    "": "full recipes: accelerate runs AMP, one GPU to many nodes, checkpoints and resume, telemetry",
-    "minimal/": "minimal tier: one device, plain PyTorch, every AMP call written out; to learn or port",
-}
-
-
-def recipes() -> dict[str, Path]:
-    """{name: file} of the recipes shipped with the package: `bert_glue`, ..., `minimal/bert_glue`."""
-    found = {}
-    for prefix in TIERS:
-        folder = resources.files("amp_recipes.recipes").joinpath(prefix or ".")
-        for entry in folder.iterdir():
-            if entry.name.endswith(".py") and not entry.name.startswith("_"):
-                found[prefix + Path(entry.name).stem] = Path(str(entry))
-    return found
+from .shipped import TIERS, recipes
 
 
 def describe(path: Path) -> tuple[str, str]:

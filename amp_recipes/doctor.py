@@ -59,7 +59,6 @@ FP16_MAX = 65504.0  # fp16's largest value
 OVERFLOW = 65520.0  # from here a value rounds to inf in fp16
 ZERO_EXPONENT = -25  # |x| < 2**-25 rounds to 0 in fp16 (2**-24 is its smallest subnormal)
 OFFSET, BINS = 160, 320  # frexp exponents of float32 values lie in [-148, 129]
-RECIPES = ("bert_glue", "bert_ner", "bert_qa", "bert_mlm")
 
 
 # ----------------------------------------------------------------------------- the fp32 probe
@@ -484,34 +483,38 @@ def log_to_trackers(args, report: dict, report_dir: str | Path) -> None:
 
 
 # ----------------------------------------------------------------------------- the command
-def load_recipe(name: str):
-    """The recipe shipped with the package (the one `amp-recipes cp` copies), as a module."""
-    from .cli import recipes
+def load_recipe(recipe: str):
+    """A full recipe (shipped, by name, or your copy, by path) as a module: the doctor calls its
+    parse_args, load_data and load_model."""
+    from .shipped import load
 
-    if name not in RECIPES:
-        raise InputError(f"--recipe {name}: the doctor reads {', '.join(RECIPES)}.")
-    spec = importlib.util.spec_from_file_location(f"amp_recipes_doctor_{name}", recipes()[name])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load(recipe)
+    if not all(hasattr(module, name) for name in ("parse_args", "load_data", "load_model")):
+        raise InputError(
+            f"--recipe {recipe}: the doctor reads a full recipe or a copy of one (its parse_args, load_data "
+            "and load_model); the minimal tier has none of them."
+        )
     return module
 
 
-def model_and_rows(recipe, name: str, args, accelerator, steps: int):
-    """The recipe's own model and its first `steps` training batches' rows, as its code loads them."""
+def model_and_rows(recipe, args, accelerator, steps: int):
+    """The recipe's own model and its first `steps` training batches' rows, as its code loads them.
+    What its load_data returns and its load_model takes are those of the example it stands in for
+    (`args.example`, which a copy keeps): glue, ner, qa or mlm."""
     from transformers import AutoConfig, AutoTokenizer
 
     from . import ner
 
     config = AutoConfig.from_pretrained(args.model_name_or_path)
-    extra = ner.tokenizer_kwargs(config) if name == "bert_ner" else {}
+    extra = ner.tokenizer_kwargs(config) if args.example == "ner" else {}
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, **extra)
     loaded = recipe.load_data(args, tokenizer, accelerator)
-    if name == "bert_mlm":  # (train, eval) loaders: a masked LM has no task
+    if args.example == "mlm":  # (train, eval) loaders: a masked LM has no task
         train_dataloader, model = loaded[0], recipe.load_model(args)
     else:  # (task, train loader, ...)
         task, train_dataloader = loaded[0], loaded[1]
         model = (
-            recipe.load_model(args, config, task) if name != "bert_qa" else recipe.load_model(args, config)
+            recipe.load_model(args, config) if args.example == "qa" else recipe.load_model(args, config, task)
         )
     return model, RecipeRows(train_dataloader, steps, args.max_seq_length)
 
@@ -540,7 +543,7 @@ def diagnose(
     torch.manual_seed(args.seed)
     accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
     device = accelerator.device
-    model, rows = model_and_rows(recipe, name, args, accelerator, probe_steps)
+    model, rows = model_and_rows(recipe, args, accelerator, probe_steps)
     model = model.to(device).train()
     probe = GradientProbe(model)
     optimizer = make_optimizer(model, args, device)
@@ -623,7 +626,10 @@ def main(argv=None, started: float | None = None) -> dict:
     description = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's first sentence
     parser = argparse.ArgumentParser(prog="amp-recipes doctor", description=description)
     parser.add_argument(
-        "--recipe", choices=RECIPES, required=True, help="The recipe whose data and model to read."
+        "--recipe",
+        required=True,
+        help="The recipe whose data and model to read: bert_glue, bert_ner, bert_qa, bert_mlm, or your "
+        "copy's path (my_task.py).",
     )
     parser.add_argument("--probe_steps", type=int, default=8, help="fp32 steps watched for fp16's risks.")
     parser.add_argument("--timed_steps", type=int, default=5, help="Training steps timed per precision.")

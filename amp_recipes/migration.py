@@ -10,7 +10,8 @@ The examples' flags are the recipes' own (amp_recipes.arguments and each recipe'
 example's other name for a flag is another option string of it): docs/migrating.md's table is
 generated from those parsers by scripts/no_trainer_flags.py, which also names every flag of a
 newer release's examples that a recipe does not take. Here: the example's seed policy, tokenizer
-and length settings, its all_results.json and its checkpoint folders.
+and length settings, and its all_results.json (amp_recipes.checkpoint resumes its checkpoint
+folders).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def settle_seed(accelerator, args, checkpoints_dir: Path) -> None:
     from accelerate.logging import get_logger
     from accelerate.utils import broadcast_object_list
 
-    from . import checkpoint  # not at the top: checkpoint imports this module
+    from . import checkpoint
 
     logger = get_logger(__name__)
 
@@ -114,26 +115,3 @@ def write_all_results(output_dir, results: dict) -> None:
     from .records import write_text_atomic
 
     write_text_atomic(os.path.join(output_dir, "all_results.json"), json.dumps(results))
-
-
-# ----------------------------------------------------------------------------- their checkpoints
-def example_checkpoint(path: Path) -> tuple[str, int] | None:
-    """("epoch", i) or ("step", n) for a folder the examples' --checkpointing_steps wrote with
-    accelerator.save_state (`epoch_<i>`, `step_<n>`, holding the model and the optimizer's state);
-    None for a folder not so named. One so named in a layout the recipe cannot load (FSDP's or
-    DeepSpeed's shards) is refused in one sentence."""
-    from .outputs import is_example_name
-
-    if not is_example_name(Path(path).name):
-        return None
-    kind, _, number = Path(path).name.partition("_")
-    files = {p.name for p in Path(path).iterdir()} if Path(path).is_dir() else set()
-    if not (files & {"model.safetensors", "pytorch_model.bin"} and "optimizer.bin" in files):
-        from .errors import CheckpointError
-
-        raise CheckpointError(
-            f"{path} is named as a transformers example's checkpoint but holds no model.safetensors (or "
-            "pytorch_model.bin) with optimizer.bin: the recipes resume the examples' one-process and DDP "
-            "saves, not FSDP's or DeepSpeed's sharded ones; start a fresh run, or resume it with the example."
-        )
-    return kind, int(number)

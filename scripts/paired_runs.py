@@ -229,17 +229,13 @@ def check_before_runs(parser, args) -> None:
 
 
 def find_recipe(parser, recipe: str) -> Path:
-    path = Path(recipe)
-    if path.suffix == ".py":
-        if not path.is_file():
-            parser.error(f"--recipe {recipe}: no such file.")
-        return path.resolve()
-    from amp_recipes.cli import recipes
+    from amp_recipes.errors import InputError
+    from amp_recipes.shipped import recipe_file
 
-    shipped = recipes()
-    if recipe not in shipped:
-        parser.error(f"--recipe {recipe!r}: choose from {', '.join(sorted(shipped))} or give a .py path.")
-    return shipped[recipe]
+    try:
+        return recipe_file(recipe)
+    except InputError as error:
+        parser.error(str(error))
 
 
 def parse_seeds(parser, text: str) -> list[int]:

@@ -148,15 +148,18 @@ def test_the_command_writes_its_report(tmp_path):
 
 @pytest.mark.parametrize("name", ["bert_ner", "bert_qa", "bert_mlm"])
 def test_every_recipe_is_diagnosed_on_its_own_data_and_model(name, tmp_path):
-    """The NER, QA and MLM recipes' data and models: the probe watched their modules, each timed
+    """The NER, QA and MLM recipes' data and models, each read as a user's copy is: by its path,
+    renamed throughout (`--recipe my_task.py`). The probe watched their modules, each timed
     precision has a largest batch, the report says why fp8 is not measured on a CPU."""
-    recipe = load_recipe(name)
+    copy = tmp_path / "my_task.py"
+    copy.write_text((RECIPES / f"{name}.py").read_text().replace(name, "my_task"))
+    recipe = doctor.load_recipe(str(copy))
     try:
-        report = doctor.diagnose(recipe, name, tiny_flags(name, tmp_path), probe_steps=2, timed_steps=1)
+        report = doctor.diagnose(recipe, str(copy), tiny_flags(name, tmp_path), probe_steps=2, timed_steps=1)
     finally:
         reset_accelerate()
     risk = report["fp16_risk"]
-    assert report["recipe"] == name and report["probe_steps"] == 2
+    assert report["recipe"] == str(copy) and report["probe_steps"] == 2
     assert risk["largest_gradient"] > 0 and math.isfinite(risk["settled_loss_scale"])
     ratios = risk["largest_activation_ratio"]
     assert ratios and all(ratio > 0 for ratio in ratios.values())
@@ -169,7 +172,18 @@ def test_every_recipe_is_diagnosed_on_its_own_data_and_model(name, tmp_path):
     assert not (tmp_path / "unused").exists()
 
 
-@pytest.mark.parametrize("name", doctor.RECIPES)
+def test_a_recipe_the_doctor_cannot_read_is_named():
+    from amp_recipes.errors import InputError
+
+    with pytest.raises(
+        InputError, match=r"--recipe 'bert_gleu': choose from bert_glue, .*, or give your copy's path"
+    ):
+        doctor.load_recipe("bert_gleu")
+    with pytest.raises(InputError, match="the minimal tier has none of them"):
+        doctor.load_recipe("minimal/bert_glue")
+
+
+@pytest.mark.parametrize("name", ["bert_glue", "bert_ner", "bert_qa", "bert_mlm"])
 def test_the_batches_are_the_recipes_own_padded_as_each_precision_pads(name, tmp_path):
     """The doctor's batches are the ones the recipe's own DataLoader yields: the same rows in the
     same order, padded to the longest row in fp32 and to a multiple of 8 in bf16, as the loader of a
@@ -195,7 +209,7 @@ def test_the_batches_are_the_recipes_own_padded_as_each_precision_pads(name, tmp
         return loaded[0] if name == "bert_mlm" else loaded[1]
 
     try:
-        rows = doctor.model_and_rows(recipe, name, args, accelerator("no"), 3)[1]
+        rows = doctor.model_and_rows(recipe, args, accelerator("no"), 3)[1]
         for mixed_precision, precision in (("no", "fp32"), ("bf16", "bf16")):
             # The recipe's loader itself, iterated as its training loop iterates it.
             expected = [dict(batch) for batch in itertools.islice(recipes_loader(mixed_precision), 3)]

@@ -713,11 +713,12 @@ def pair_command(output_dir, model, *argv):
 
 @pytest.mark.slow
 def test_pairs_run_resume_and_compare_end_to_end(tmp_path, headless_bert):
+    """On a user's copy of the GLUE recipe, outside the repository and renamed throughout, given by its path."""
+    copy = tmp_path / "my_task.py"
+    copy.write_text((REPO / "recipes" / "bert_glue.py").read_text().replace("bert_glue", "my_task"))
     output_dir = tmp_path / "pair"
-    first = run(
-        pair_command(output_dir, headless_bert, "--arms", "fp32,bf16", "--seeds", "2", "--wandb_report"),
-        tmp_path,
-    )
+    argv = ["--recipe", copy, "--arms", "fp32,bf16", "--seeds", "2", "--wandb_report"]
+    first = run(pair_command(output_dir, headless_bert, *argv), tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     comparison = json.loads((output_dir / "comparison.json").read_text())
     results = {
@@ -774,7 +775,9 @@ def test_pairs_run_resume_and_compare_end_to_end(tmp_path, headless_bert):
         for arm, seed in results
     }
     second = run(
-        pair_command(output_dir, headless_bert, "--arms", "fp32,bf16,fp16", "--seeds", "1,2"),
+        pair_command(
+            output_dir, headless_bert, "--recipe", copy, "--arms", "fp32,bf16,fp16", "--seeds", "1,2"
+        ),
         tmp_path,
     )
     assert second.returncode == 1 and "1 run(s) failed" in second.stderr
@@ -804,7 +807,17 @@ def test_pairs_run_resume_and_compare_end_to_end(tmp_path, headless_bert):
     assert len({record.run_id for _, record, _, _ in comparison_runs(tmp_path)}) == 1
     # --compare_only: runs nothing, reports what is missing.
     third = run(
-        pair_command(output_dir, headless_bert, "--arms", "fp32,bf16", "--seeds", "1,2,4", "--compare_only"),
+        pair_command(
+            output_dir,
+            headless_bert,
+            "--recipe",
+            copy,
+            "--arms",
+            "fp32,bf16",
+            "--seeds",
+            "1,2,4",
+            "--compare_only",
+        ),
         tmp_path,
     )
     assert third.returncode == 0 and not (output_dir / "runs" / "fp32-seed4").exists()

@@ -1,6 +1,8 @@
 """The repository's docs and configs match the code."""
 
+import ast
 import difflib
+import graphlib
 import hashlib
 import os
 import re
@@ -421,3 +423,36 @@ def test_no_library_module_imports_another_modules_private_names():
                     f"{path.name}: {alias.name}" for alias in node.names if alias.name.startswith("_")
                 ]
     assert not offenders, offenders
+
+
+def library_imports() -> dict[str, set[str]]:
+    """{module: the amp_recipes modules it imports}, at the top or inside a function, read from the source."""
+    package = REPO / "amp_recipes"
+    modules = {path.stem for path in package.glob("*.py")}
+    graph = {}
+    for path in package.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import x / from .x import y
+                imported |= (
+                    {node.module.split(".")[0]} if node.module else {alias.name for alias in node.names}
+                )
+            elif isinstance(node, ast.ImportFrom) and node.module == "amp_recipes":
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_recipes."):
+                imported.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[1] for a in node.names if a.name.startswith("amp_recipes.")}
+        graph[path.stem] = (imported & modules) - {path.stem}
+    return graph
+
+
+def test_the_library_has_no_import_cycle():
+    """No two modules of amp_recipes need each other, not even through an import inside a function:
+    each can be read, and moved, after what it imports."""
+    graph = library_imports()
+    assert graph["cli"] >= {"doctor", "shipped"} and "checkpoint" in graph["migration"]  # read, not empty
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as cycle:
+        pytest.fail(f"import cycle: {' -> '.join(cycle.args[1])}")
