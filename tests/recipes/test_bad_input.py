@@ -855,33 +855,6 @@ def test_the_working_run_works_over_a_finished_run_with_a_stale_lock(recipe, tmp
     assert math.isfinite(json.loads((out / "log_history.jsonl").read_text().splitlines()[0]).get("loss", 0))
 
 
-def test_a_full_disk_during_the_final_save_keeps_the_previous_model(tmp_path, monkeypatch):
-    """safetensors writes half of the new weights, then the disk is full: the previous run's
-    model and eval_results.json are as they were, and nothing half-written is left."""
-    import errno
-
-    import transformers.modeling_utils
-
-    def half_then_full(state_dict, filename, metadata=None):
-        Path(filename).write_bytes(b"half of the new weights")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", half_then_full)
-    flags = glue_run(tmp_path)
-    out = tmp_path / "out"
-    kept = {
-        name: (out / name).read_bytes() for name in ("model.safetensors", "config.json", "eval_results.json")
-    }
-    status, output = run_command_line(RECIPES / "bert_glue.py", argv_of(flags))
-    assert status == 1 and "Traceback" not in output, output[-3000:]
-    assert output.strip().splitlines()[-1] == (
-        f"error: Could not write the final model to {out} (the disk is full); the final model that was "
-        "there before, if any, is unchanged."
-    )
-    assert {name: (out / name).read_bytes() for name in kept} == kept
-    assert not (out / ".final.tmp").exists() and not (out / LOCK).exists()
-
-
 # ----------------------------------------------------------------------------- the launchers
 # The documented launcher forms, each a command the docs show (the test finds it there), and what
 # this machine changes: two processes on a CPU (ACCELERATE_USE_CPU=1: one gloo group).

@@ -302,25 +302,6 @@ def test_classifier_head_with_the_wrong_number_of_labels(recipe, tmp_path):
     assert set(results) >= {"eval_pearson", "eval_spearmanr"}
 
 
-def test_cli_prints_one_error_line_without_traceback(tmp_path):
-    result = run(
-        [
-            sys.executable,
-            RECIPES / "bert_glue.py",
-            "--task_name",
-            "cola",
-            "--data_dir",
-            tmp_path,
-            "--model_name_or_path",
-            TINY_BERT,
-        ],
-        tmp_path,
-    )
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith("error: No GLUE files for cola under")
-    assert "Traceback" not in result.stderr
-
-
 def test_the_documented_pipeline_snippet_runs_on_a_runs_output_folder(tmp_path, monkeypatch, capsys):
     """docs/getting-started.md's "Use your fine-tuned model" snippet, as written, on the folder a
     run saved at its path (outputs/quickstart, relative to where the snippet runs): it answers with

@@ -5,10 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import GLUE_DIR, TINY_BERT, assert_same_training, log_history, stop_at, train
+from conftest import GLUE_DIR, TINY_BERT, log_history, train
 from families import glue_sentences
-
-from amp_recipes import checkpoint
 
 
 @pytest.fixture
@@ -92,20 +90,12 @@ def test_evaluation_masks_are_fixed_with_dataloader_workers(mlm, corpus, tmp_pat
     assert len(evals) == 2 and evals[0] == evals[1]
 
 
-def test_csv_text_column_and_exact_resume(mlm, corpus, tmp_path, monkeypatch):
-    """A run stopped at step 5 (SIGTERM's path: a checkpoint, exit 143) and resumed matches an
-    uninterrupted one bit for bit: losses, learning rates, final weights. With transformers' stock
-    collator it did not: the loader builds each batch one step ahead, so the checkpoint's RNG state
-    already held the next batch's masks."""
+def test_a_csv_text_column_trains(mlm, corpus, tmp_path):
+    """--text_column names the text of a CSV file. (A mid-epoch resume of the masked LM, bit for
+    bit, is test_round_trip's: with transformers' stock collator it was not, since the loader builds
+    each batch one step ahead and the checkpoint's RNG state already held the next batch's masks.)"""
     argv = ["--train_file", corpus / "sst2.csv", "--text_column", "body", "--model_name_or_path", TINY_BERT]
     argv += ["--max_seq_length", 32, "--per_device_train_batch_size", 8, "--max_train_steps", 10]
     argv += ["--logging_steps", 1, "--learning_rate", 1e-3]
-    train(mlm, [*argv, "--output_dir", tmp_path / "reference"])
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(5))
-    with pytest.raises(SystemExit) as stopped:
-        train(mlm, [*argv, "--output_dir", tmp_path / "resumed"])
-    assert stopped.value.code == 143
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
-    results = train(mlm, [*argv, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", "latest"])
+    results = train(mlm, [*argv, "--output_dir", tmp_path / "run"])
     assert results["train_steps"] == 10 and results["eval_masked_tokens"] > 0
-    assert_same_training(tmp_path / "reference", tmp_path / "resumed")

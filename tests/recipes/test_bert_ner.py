@@ -11,17 +11,13 @@ from conftest import (
     REPO,
     TINY_BERT,
     accelerate_launch,
-    assert_same_training,
     load_recipe,
-    log_history,
     minilm_path,
     reset_accelerate,
     run,
-    stop_at,
     train,
 )
 
-from amp_recipes import checkpoint
 from amp_recipes.metrics import load_metric
 from amp_recipes.ner import read_file
 from amp_recipes.run import describe_results
@@ -118,23 +114,6 @@ def test_scores_match_an_independent_evaluation_of_every_word(tiny_model):
     assert config["id2label"]["0"] == "O" and len(config["id2label"]) == 9
 
 
-def test_eval_only_and_exact_resume(ner, tiny_model, tmp_path, monkeypatch):
-    model_dir, results = tiny_model
-    evaluated = train(ner, [*tiny_run(tmp_path / "eval"), "--model_name_or_path", model_dir, "--eval_only"])
-    assert {k: v for k, v in evaluated.items() if k.startswith("eval_")} == {
-        k: v for k, v in results.items() if k.startswith("eval_")
-    }
-    reference = model_dir
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(4))
-    with pytest.raises(SystemExit) as stopped:
-        train(ner, tiny_run(tmp_path / "resumed"))
-    assert stopped.value.code == 143
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
-    resumed = train(ner, [*tiny_run(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"])
-    assert resumed["eval_f1"] == results["eval_f1"]
-    assert_same_training(reference, tmp_path / "resumed")
-
-
 def test_two_processes_score_every_sentence_once(tiny_model, tmp_path):
     """41 sentences in batches of 8 on 2 processes: the last batch repeats sentences to fill both,
     gather_for_metrics drops them, and the gathered rows stay in validation order. So do
@@ -184,35 +163,6 @@ def test_pretrained_minilm_learns_conll_entities(ner, tmp_path):
         126,
         144,
     )
-
-
-def test_fp16_skips_the_overflowing_step_and_evaluates_under_autocast(ner, tmp_path, monkeypatch, caplog):
-    """accelerate's real fp16 path (the CPU fixture): an overflow injected at step 2 of the token
-    classifier skips that step and halves the loss scale; evaluation runs under fp16 autocast."""
-    from conftest import Fp16OnCpu, on_model_load
-    from test_fp16_telemetry import OverflowInjector
-
-    def inject(model):
-        OverflowInjector(model, "bert.encoder.layer.1.output.dense", {2})
-
-    on_model_load(monkeypatch, ner, "AutoModelForTokenClassification", inject)
-    monkeypatch.setattr(ner, "Accelerator", Fp16OnCpu)
-    caplog.set_level("INFO")
-    argv = [
-        *tiny_run(tmp_path),
-        "--mixed_precision",
-        "fp16",
-        "--max_train_steps",
-        4,
-        "--fp16_init_scale",
-        1024,
-    ]
-    results = train(ner, argv)
-    assert results["precision_in_effect"] == "fp16" and results["skipped_steps"] == 1
-    scales = [row["loss_scale"] for row in log_history(tmp_path) if "loss_scale" in row]
-    assert scales == [1024.0, 512.0, 512.0, 512.0]
-    assert "step 2: fp16 overflow, optimizer step skipped, loss scale 1024 -> 512" in caplog.text
-    assert 0 <= results["eval_f1"] <= 1 and results["eval_samples"] == 41
 
 
 def read_conll_predictions(path):

@@ -14,16 +14,12 @@ from conftest import (
     REPO,
     TINY_BERT,
     accelerate_launch,
-    assert_same_training,
     load_recipe,
     log_history,
     reset_accelerate,
     run,
-    stop_at,
     train,
 )
-
-from amp_recipes import checkpoint
 
 SQUAD = REPO / "data" / "squad"
 FILES = ["--train_file", SQUAD / "train.json", "--validation_file", SQUAD / "dev.json"]
@@ -150,22 +146,6 @@ def test_answers_and_scores_match_an_independent_evaluation(tiny_model):
     assert f1 > 0  # the tiny model's answers overlap some references: the F1 compares something
     saved = json.loads((output_dir / "eval_results.json").read_text())
     assert saved["eval_f1"] == results["eval_f1"] and not saved["version_2_with_negative"]
-
-
-def test_eval_only_and_exact_resume(qa, tiny_model, tmp_path, monkeypatch):
-    model_dir, results = tiny_model
-    evaluated = train(qa, [*tiny_run(tmp_path / "eval"), "--model_name_or_path", model_dir, "--eval_only"])
-    assert {k: v for k, v in evaluated.items() if k.startswith("eval_")} == {
-        k: v for k, v in results.items() if k.startswith("eval_")
-    }
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(4))
-    with pytest.raises(SystemExit) as stopped:
-        train(qa, tiny_run(tmp_path / "resumed"))
-    assert stopped.value.code == 143
-    monkeypatch.setattr(checkpoint, "PreemptionHandler", stop_at(-1))
-    resumed = train(qa, [*tiny_run(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"])
-    assert resumed["eval_f1"] == results["eval_f1"]
-    assert_same_training(model_dir, tmp_path / "resumed")
 
 
 def test_two_processes_gather_every_window_once(tiny_model, tmp_path):

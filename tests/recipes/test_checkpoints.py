@@ -44,7 +44,11 @@ TINY = glue_flags(learning_rate=1e-3, logging_steps=1, seed=7)
 
 
 # ----------------------------------------------------------------------------- subprocess: signals
-def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
+def test_sigterm_checkpoints_mid_epoch_and_exits_143(tmp_path):
+    """A real SIGTERM to a running recipe: it finishes its step, checkpoints it (mid-epoch), says how
+    to resume and exits 143 without evaluating. That such a checkpoint resumes to the uninterrupted
+    run's training, bit for bit, is the in-process tests' (stopped_and_resumed, below: the same
+    handler, which they stop at a chosen step)."""
     args = [
         sys.executable,
         RECIPES / "bert_glue.py",
@@ -54,9 +58,6 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
         "--num_train_epochs",
         2,
     ]
-    reference = run([*args, "--output_dir", tmp_path / "reference"], tmp_path)
-    assert reference.returncode == 0, reference.stderr[-2000:]
-
     output_dir = tmp_path / "interrupted"
     process = subprocess.Popen(
         [str(a) for a in [*args, "--output_dir", output_dir]],
@@ -78,14 +79,6 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path):
     record = json.loads((output_dir / "checkpoints" / latest / MARKER).read_text())
     assert 5 <= record["global_step"] < 40 and record["batches_in_epoch"] > 0  # stopped mid-epoch
     assert not (output_dir / "eval_results.json").exists()
-
-    resumed = run([*args, "--output_dir", output_dir, "--resume_from_checkpoint", "latest"], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert (
-        f"Resumed from {output_dir / 'checkpoints' / latest} at step {record['global_step']}"
-        in resumed.stderr
-    )
-    assert_same_training(tmp_path / "reference", output_dir)
 
 
 def test_ctrl_c_stops_after_the_step_with_130_and_a_second_one_at_once(tmp_path):
@@ -193,17 +186,15 @@ def test_fp16_resume_keeps_loss_scale_and_growth_tracker(recipe, tmp_path, monke
     assert record["grad_scaler"]["scale"] == scalers[0]["scale"] and record["mixed_precision"] == "fp16"
 
 
-def test_the_chosen_lr_schedule_runs_and_resumes_exactly(recipe, tmp_path, monkeypatch):
+def test_the_chosen_lr_schedule_is_transformers_schedule(recipe, tmp_path):
     """--lr_scheduler_type cosine with --num_warmup_steps 3: the logged learning rates are
-    transformers' cosine schedule with that warm-up, step for step, and a run stopped mid-epoch
-    and resumed from its checkpoint logs the same rates and losses as the uninterrupted one."""
+    transformers' cosine schedule with that warm-up, step for step. (Its resume is the scheduler's
+    state_dict, whatever the schedule: the linear one's, in every resume test.)"""
     import math
 
     argv = [*TINY, "--max_train_samples", 64, "--num_train_epochs", 2, "--checkpointing_steps", 3]
     argv += ["--lr_scheduler_type", "cosine", "--num_warmup_steps", 3, "--warmup_ratio", 0.5]
     train(recipe, [*argv, "--output_dir", str(tmp_path / "reference")])
-    stopped_and_resumed(recipe, argv, tmp_path / "resumed", monkeypatch, stop_step=5)  # 8 steps an epoch
-    assert_same_training(tmp_path / "reference", tmp_path / "resumed")
 
     # The rate after optimizer step k, as transformers' get_cosine_schedule_with_warmup computes it.
     def cosine(step, warmup=3, total=16, peak=1e-3):
