@@ -56,7 +56,9 @@ class Schedule(NamedTuple):
     steps_per_epoch: int
     max_train_steps: int
     num_epochs: int
-    scheduler_steps: int  # what the LR scheduler must be created with
+    # What the LR scheduler is created with: max_train_steps x processes, since accelerate's prepared
+    # scheduler steps once per process for each optimizer step (DeepSpeed's engine: once).
+    scheduler_steps: int
     warmup_steps: int  # its warm-up, in the same unit
 
 

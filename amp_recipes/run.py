@@ -16,12 +16,13 @@ when to checkpoint; `TrainingRun` does the rest:
                     continue  # inside an accumulation window
                 run.count_optimizer_step()
                 ...  # run.warn_nonfinite(...), run.stop_diverged() (fp16: no loss scale helps)
-                ...  # run.log({...}), run.evaluate(epoch + 1), run.save_checkpoint()
+                ...  # run.stop_if_loss_diverged(), run.log({...}), run.evaluate(epoch + 1), run.save_checkpoint()
                 if run.preemption_requested():
                     run.checkpoint_and_exit()
                 if run.step >= schedule.max_train_steps or run.early_stopped:
                     break
             run.end_epoch()
+            ...  # run.evaluate(epoch + 1) unless this step had one; --checkpointing_steps epoch's save
         return run.save_final_model(tokenizer)
 
 - the output folder: claimed and locked when the block opens (`outputs.OutputDir`);
@@ -47,7 +48,6 @@ from pathlib import Path
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from . import checkpoint, errors, hub, migration, optim, outputs, records
@@ -74,8 +74,9 @@ class TrainingRun:
         self.hub_repo = hub.create_repo(args) if accelerator.is_main_process else None
         self.output = outputs.claim_output_dir(accelerator, args)  # refuses a folder that holds a run
         self.checkpoints_dir = Path(args.output_dir) / "checkpoints"
-        migration.settle_seed(accelerator, args, self.checkpoints_dir)  # --seed unset: one for the launch
-        set_seed(args.seed)
+        # --seed unset (--hf_example_defaults): one for the launch, drawn, or a resumed run's; the
+        # recipe seeds with it.
+        migration.settle_seed(accelerator, args, self.checkpoints_dir)
         self.step, self.epoch, self.batches_in_epoch, self.results = 0, 0, 0, {}
         self.progress = self.preemption = self.activations = None
         self.initial_weights = None
@@ -308,8 +309,10 @@ class TrainingRun:
         self.accelerator.log(values, step=self.step)
         self.record.log(values, self.step)
 
-    def _check_finite(self) -> None:
-        """bf16/fp32: stop (TrainingDiverged) if a loss since the last check was not finite; fp16 skips such steps."""
+    def stop_if_loss_diverged(self) -> None:
+        """AMP: bf16/fp32: TrainingDiverged if a loss since the last check was not finite (the update
+        has spoiled the weights; fp16 skips such steps). At logging steps and before every save, on
+        every process at the same steps (the check is a collective)."""
         self.telemetry.check_finite(self.step, self.precision["precision_in_effect"])
 
     def activation_ranges(self) -> dict:
@@ -317,8 +320,7 @@ class TrainingRun:
         return {f"fp16_range/{name}": ratio for name, ratio in self.activations.read().items()}
 
     def log(self, logs: dict) -> None:
-        """A log line: the trackers, log_history.jsonl, the progress bar. bf16/fp32 runs stop on inf/NaN."""
-        self._check_finite()
+        """A log line: the trackers, log_history.jsonl, the progress bar."""
         self.progress.set_postfix({k: logs[k] for k in ("loss", "loss_scale", "skipped_steps") if k in logs})
         self._record(logs)
 
@@ -329,7 +331,7 @@ class TrainingRun:
         the launcher's grace time after a SIGTERM, and replace a complete checkpoint.
         `example_name` (--checkpointing_steps: epoch_<i>, step_<n>): the same checkpoint also under
         the name transformers' no_trainer examples give it, <output_dir>/<example_name>."""
-        self._check_finite()  # AMP: never saves inf/NaN
+        self.stop_if_loss_diverged()  # AMP: never saves inf/NaN
         epoch, batches_in_epoch = self.epoch, self.batches_in_epoch
         if self.last_checkpoint and self.last_checkpoint[0] == (self.step, epoch, batches_in_epoch):
             path = self.last_checkpoint[1]
@@ -375,9 +377,8 @@ class TrainingRun:
         raise SystemExit(self.preemption.exit_code)
 
     def end_epoch(self) -> None:
-        """The epoch's padding share; an evaluation (unless this step had one: --eval_steps', or
-        before a resume); --checkpointing_steps epoch. From here the position is the next epoch's
-        start, so a checkpoint saved now (the epoch's, a best evaluation's) resumes there."""
+        """The epoch's padding share and mean training loss, logged. From here the position is the
+        next epoch's start, so a checkpoint saved now (the epoch's, a best evaluation's) resumes there."""
         padding = self.meter.epoch_padding_fraction(self.accelerator)  # --group_by_length lowers it
         logger.info(f"epoch {self.epoch + 1}: {padding:.1%} of the batches' tokens were padding")
         self._record({"epoch_padding_fraction": padding})
@@ -388,10 +389,6 @@ class TrainingRun:
             self.train_loss = total / counted
         self.epoch_loss.zero_()
         self.epoch, self.batches_in_epoch = self.epoch + 1, 0
-        if self.evaluated_step != self.step:
-            self.evaluate(self.epoch)
-        if self.args.checkpointing_steps == "epoch":
-            self.save_checkpoint(example_name=f"epoch_{self.epoch - 1}")  # the epoch just ended, from 0
 
     # ------------------------------------------------------------------ the end
     def _write_all_results(self, summary: dict) -> None:
@@ -433,7 +430,7 @@ class TrainingRun:
         self.progress.close()
         self.preemption.restore()  # from here a signal stops the process, as it did before training
         self.activations.remove()  # its hooks are not part of the saved model
-        self._check_finite()  # AMP: never saves inf/NaN
+        self.stop_if_loss_diverged()  # AMP: never saves inf/NaN
         summary = {
             **self.results,
             **self.facts,

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, InitProcessGroupKwargs
+from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from transformers import (
     AutoConfig,
@@ -301,6 +301,7 @@ def main(argv=None):
     in_effect = precision.preflight(accelerator, mixed_precision, auto_reason)  # logged by TrainingRun
     # Output folder and lock, resume, trackers, checkpoints, preemption, final save: released on every exit.
     with TrainingRun(accelerator, args, in_effect) as run:
+        set_seed(args.seed)  # the new head's weights, dropout; --seed unset: the one TrainingRun drew
         # --------------------------------------------------------------------- data
         with errors.model_load_errors(args.model_name_or_path):
             config = AutoConfig.from_pretrained(
@@ -388,7 +389,8 @@ def main(argv=None):
                         **run.meter.read(accelerator),  # samples/s, tokens/s, padding since the last log line
                         **run.activation_ranges(),  # AMP: fp16_range/<module>: max |activation| / 65504
                     }
-                    run.log(logs)  # trackers, log_history.jsonl, progress bar; bf16/fp32 stop on inf/NaN
+                    run.stop_if_loss_diverged()  # AMP: bf16/fp32: an inf/NaN loss ends the run (fp16 skips)
+                    run.log(logs)  # trackers, log_history.jsonl, progress bar
                 if args.eval_steps and run.step % args.eval_steps == 0:
                     run.evaluate(epoch + 1)  # every eval split: logged, and kept for eval_results.json
                 if isinstance(args.checkpointing_steps, int) and run.step % args.checkpointing_steps == 0:
@@ -397,7 +399,11 @@ def main(argv=None):
                     run.checkpoint_and_exit()  # a checkpoint of this step, then exit 143 / 130
                 if run.step >= schedule.max_train_steps or run.early_stopped:  # --early_stopping_patience
                     break  # the run's last optimizer step (--max_train_steps, the epochs' or an early stop)
-            run.end_epoch()  # padding share; evaluation unless just done; --checkpointing_steps epoch
+            run.end_epoch()  # the epoch's padding share and mean loss; the position: the next epoch's start
+            if run.evaluated_step != run.step:  # an evaluation ends each epoch, unless this step had one
+                run.evaluate(epoch + 1)
+            if args.checkpointing_steps == "epoch":  # the epoch just ended, also as epoch_<i> (from 0)
+                run.save_checkpoint(example_name=f"epoch_{epoch}")
 
         # --------------------------------------------------------------------- save
         return run.save_final_model(tokenizer)  # AMP: fp32 master weights; eval_results.json last
