@@ -4,6 +4,7 @@ what is not the lesson. The recipe keeps the lesson in sight (the `Accelerator(.
 when to checkpoint; `TrainingRun` does the rest:
 
     with TrainingRun(accelerator, args, in_effect) as run:  # claims and locks --output_dir
+        set_seed(args.seed)  # --seed unset: the one TrainingRun settled for the launch
         ...  # data, model (run.fingerprint(model)), optimizer, accelerator.prepare(...)
         run.start(model, optimizer, train_dataloader, schedule, identity=..., evaluate=...)
         if args.eval_only:
@@ -377,8 +378,8 @@ class TrainingRun:
         raise SystemExit(self.preemption.exit_code)
 
     def end_epoch(self) -> None:
-        """The epoch's padding share and mean training loss, logged. From here the position is the
-        next epoch's start, so a checkpoint saved now (the epoch's, a best evaluation's) resumes there."""
+        """The epoch's padding share (logged) and mean training loss (for eval_results.json). From here
+        the position is the next epoch's start, so a checkpoint saved now (the epoch's, a best evaluation's) resumes there."""
         padding = self.meter.epoch_padding_fraction(self.accelerator)  # --group_by_length lowers it
         logger.info(f"epoch {self.epoch + 1}: {padding:.1%} of the batches' tokens were padding")
         self._record({"epoch_padding_fraction": padding})

@@ -301,7 +301,7 @@ def main(argv=None):
     in_effect = precision.preflight(accelerator, mixed_precision, auto_reason)  # logged by TrainingRun
     # Output folder and lock, resume, trackers, checkpoints, preemption, final save: released on every exit.
     with TrainingRun(accelerator, args, in_effect) as run:
-        set_seed(args.seed)  # the new head's weights, dropout; --seed unset: the one TrainingRun drew
+        set_seed(args.seed)  # the new head's weights, dropout; --seed unset: the one TrainingRun settled
         # --------------------------------------------------------------------- data
         with errors.model_load_errors(args.model_name_or_path):
             config = AutoConfig.from_pretrained(
@@ -399,7 +399,7 @@ def main(argv=None):
                     run.checkpoint_and_exit()  # a checkpoint of this step, then exit 143 / 130
                 if run.step >= schedule.max_train_steps or run.early_stopped:  # --early_stopping_patience
                     break  # the run's last optimizer step (--max_train_steps, the epochs' or an early stop)
-            run.end_epoch()  # the epoch's padding share and mean loss; the position: the next epoch's start
+            run.end_epoch()  # the epoch's padding share (logged) and mean loss; the next epoch's start
             if run.evaluated_step != run.step:  # an evaluation ends each epoch, unless this step had one
                 run.evaluate(epoch + 1)
             if args.checkpointing_steps == "epoch":  # the epoch just ended, also as epoch_<i> (from 0)

@@ -147,6 +147,7 @@ PRECISION_CALLS = [
     "overflow = run.telemetry.after_optimizer_step()",
     "run.warn_nonfinite(batch, overflow)",  # names a skipped fp16 step's first inf/NaN module
     "run.stop_diverged()",  # fp16: no loss scale helps any more
+    "run.stop_if_loss_diverged()",  # bf16/fp32: a non-finite loss ends the run
     "**run.telemetry.read()",
     "**run.activation_ranges()",
     "optim.check_every_parameter_trains(",  # prepare() may swap parameters (fp8): every one still trains
