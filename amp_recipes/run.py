@@ -17,7 +17,8 @@ when to checkpoint; `TrainingRun` does the rest:
                     continue  # inside an accumulation window
                 run.count_optimizer_step()
                 ...  # run.warn_nonfinite(...), run.stop_diverged() (fp16: no loss scale helps)
-                ...  # run.stop_if_loss_diverged(), run.log({...}), run.evaluate(epoch + 1), run.save_checkpoint()
+                ...  # run.stop_if_loss_diverged(), run.log({...})
+                ...  # run.evaluate(epoch + 1), run.save_checkpoint()
                 if run.preemption_requested():
                     run.checkpoint_and_exit()
                 if run.step >= schedule.max_train_steps or run.early_stopped:
@@ -378,8 +379,9 @@ class TrainingRun:
         raise SystemExit(self.preemption.exit_code)
 
     def end_epoch(self) -> None:
-        """The epoch's padding share (logged) and mean training loss (for eval_results.json). From here
-        the position is the next epoch's start, so a checkpoint saved now (the epoch's, a best evaluation's) resumes there."""
+        """The epoch's padding share (logged) and mean training loss (for eval_results.json). From
+        here the position is the next epoch's start, so a checkpoint saved now (the epoch's, a best
+        evaluation's) resumes there."""
         padding = self.meter.epoch_padding_fraction(self.accelerator)  # --group_by_length lowers it
         logger.info(f"epoch {self.epoch + 1}: {padding:.1%} of the batches' tokens were padding")
         self._record({"epoch_padding_fraction": padding})

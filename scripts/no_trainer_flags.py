@@ -131,14 +131,8 @@ def table(read: dict[str, dict]) -> str:
             else ("same" if a.option_strings[0] == flag else f"alias of `{a.option_strings[0]}`")
             for r, a in actions.items()
         }
-        default = _cell(
-            {
-                short[
-                    r
-                ]: f"{_default(parsers[r]._option_string_actions[flag].default)} ({_their_default(read[r][flag])})"
-                for r in recipes
-            }
-        )
+        theirs = {short[r]: _their_default(read[r][flag]) for r in recipes}
+        default = _cell({r: f"{_default(a.default)} ({theirs[r]})" for r, a in actions.items()})
         what = _cell({r: (a.help or "").replace("|", "\\|").replace("<", "&lt;") for r, a in actions.items()})
         lines.append(f"| `{flag}` | {', '.join(actions)} | {_cell(how)} | {default} | {what} |")
     return "\n".join(lines)
