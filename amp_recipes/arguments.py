@@ -13,9 +13,9 @@ import math
 import os
 import sys
 
-from .errors import first_to_say
-from .precision import fp8_backend_choice
-from .telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
+from amp_recipes.amp.precision import fp8_backend_choice
+from amp_recipes.errors import first_to_say
+from amp_recipes.training.telemetry import DEFAULT_MAX_CONSECUTIVE_SKIPPED
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from .shipped import TIERS, recipes
+from amp_recipes.shipped import TIERS, recipes
 
 
 def describe(path: Path) -> tuple[str, str]:
@@ -46,9 +46,9 @@ def command() -> int:
 def main(argv=None, started: float | None = None) -> int:
     """`started`: the time.monotonic() the doctor's --budget_s counts from (default: its call)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["doctor"]:  # its own flags, then the recipe's after `--` (amp_recipes.doctor)
-        from .doctor import main as doctor
-        from .errors import one_sentence_errors
+    if argv[:1] == ["doctor"]:  # its own flags, then the recipe's after `--` (amp_recipes.measure.doctor)
+        from amp_recipes.errors import one_sentence_errors
+        from amp_recipes.measure.doctor import main as doctor
 
         with one_sentence_errors():
             doctor(argv[1:], started)

@@ -8,7 +8,7 @@ import importlib.util
 from importlib import resources
 from pathlib import Path
 
-from .errors import InputError
+from amp_recipes.errors import InputError
 
 TIERS = {  # name prefix -> what the tier is (the repository's recipes/ and recipes/minimal/)
     "": "full recipes: accelerate runs AMP, one GPU to many nodes, checkpoints and resume, telemetry",

@@ -113,8 +113,8 @@ def trainer_worker(spec: dict, pad_to_max_length: bool) -> dict:
         TrainingArguments,
     )
 
-    from amp_recipes.glue import load_glue, tokenize_splits
-    from amp_recipes.metrics import load_metric
+    from amp_recipes.tasks.classification import load_glue, tokenize_splits
+    from amp_recipes.tasks.metrics import load_metric
 
     task = load_glue(spec["task_name"], spec["data_dir"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_name_or_path"])
@@ -266,7 +266,7 @@ def summarise(runs: dict[str, list[dict]], reference: str) -> dict:
 
 
 def markdown(args, summary: dict) -> str:
-    from amp_recipes import report
+    from amp_recipes.measure import report
 
     reference = args.arms[0]
     lines = [
@@ -315,8 +315,8 @@ def main(argv=None) -> dict:
                 print(f"repeat {repeat + 1}/{args.repeats} {arm}: {json.dumps(result)}", flush=True)
     summary = summarise(runs, args.arms[0])
     table = markdown(args, summary)
-    from amp_recipes import report
-    from amp_recipes.hardware import hardware_record
+    from amp_recipes.amp.hardware import hardware_record
+    from amp_recipes.measure import report
 
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "hardware": hardware_record()}
     report.write(args.output_dir, "results", {**record, "runs": runs, "summary": summary}, table)

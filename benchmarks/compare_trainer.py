@@ -167,7 +167,7 @@ def parse_args(argv=None):
         parser.error("give both --train_file and --validation_file, or neither.")
     args.max_seq_length = args.max_seq_length or (384 if args.task == "qa" else 128)
     if args.huge_pages:
-        from amp_recipes import hardware
+        from amp_recipes.amp import hardware
 
         if not hardware.huge_pages_on():  # `never`: torch's request would change nothing
             mode = hardware.transparent_huge_pages()
@@ -231,8 +231,8 @@ def allocator_settings(flags: dict[str, str], environ=os.environ) -> dict[str, s
 # ----------------------------------------------------------------------------- the Trainer side (a child process)
 def first_rows(splits, spec) -> dict:
     """The train and validation splits cut to --max_train_samples / --max_eval_samples by the rule
-    the recipes use (amp_recipes.batches.first_rows), so that both sides see the same rows."""
-    from amp_recipes import batches
+    the recipes use (amp_recipes.tasks.batches.first_rows), so that both sides see the same rows."""
+    from amp_recipes.tasks import batches
 
     limits = {"train": spec["max_train_samples"], "validation": spec["max_eval_samples"]}
     return {name: batches.first_rows(splits[name], limit) for name, limit in limits.items()}
@@ -240,7 +240,7 @@ def first_rows(splits, spec) -> dict:
 
 def glue_features(spec, tokenizer):
     """run_glue.py: the sentence (pair) tokenised without padding, truncated to max_seq_length."""
-    from amp_recipes.glue import load_glue
+    from amp_recipes.tasks.classification import load_glue
 
     task = load_glue(spec["task_name"], spec["data_dir"])
     splits = first_rows(task.splits, spec)
@@ -256,7 +256,7 @@ def glue_features(spec, tokenizer):
 def ner_features(spec, tokenizer):
     """run_ner.py's tokenize_and_align_labels: each word's first sub-token carries its tag, the
     others and the special tokens -100 (label_all_tokens=False)."""
-    from amp_recipes import ner
+    from amp_recipes.tasks import ner
 
     if spec["train_file"]:
         task = ner.load_files(spec["train_file"], spec["validation_file"])
@@ -408,9 +408,9 @@ def trainer_worker(spec: dict) -> dict:
         set_seed,
     )
 
-    from amp_recipes import qa
-    from amp_recipes.meters import peak_memory_bytes
-    from amp_recipes.metrics import load_metric
+    from amp_recipes.measure.engine import peak_memory_bytes
+    from amp_recipes.tasks import qa
+    from amp_recipes.tasks.metrics import load_metric
 
     set_seed(spec["seed"])  # as the examples do, before the model (its new head) is created
     tokenizer = AutoTokenizer.from_pretrained(spec["model_name_or_path"])
@@ -677,7 +677,7 @@ def model_label(path: str) -> str:
 
 
 def markdown(args, summary: dict) -> str:
-    from amp_recipes import report
+    from amp_recipes.measure import report
 
     work = (
         f"{model_label(args.model_name_or_path)}, {args.task}"
@@ -691,7 +691,7 @@ def markdown(args, summary: dict) -> str:
     if glibc:
         lines[0] += f" Both under {glibc} (glibc)."
     if TORCH_HUGE_PAGES in settings:
-        from amp_recipes.hardware import transparent_huge_pages
+        from amp_recipes.amp.hardware import transparent_huge_pages
 
         mode = transparent_huge_pages() or "unknown"
         lines[0] += (
@@ -769,8 +769,8 @@ def main(argv=None) -> dict:
                 print(f"seed {seed} {side}: {json.dumps(result)}", flush=True)
     summary = summarise(args, runs)
     table = markdown(args, summary)
-    from amp_recipes import report
-    from amp_recipes.hardware import hardware_record
+    from amp_recipes.amp.hardware import hardware_record
+    from amp_recipes.measure import report
 
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "hardware": hardware_record()}
     record["allocator_env"] = allocator_settings(args.allocator_env)  # the shell's and the flags

@@ -21,20 +21,11 @@ from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, InitProc
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-from amp_recipes import (
-    arguments,
-    batches,
-    compiling,
-    errors,
-    glue,
-    memory,
-    metrics,
-    migration,
-    optim,
-    precision,
-    records,
-)
-from amp_recipes.run import TrainingRun
+from amp_recipes import arguments, errors, no_trainer
+from amp_recipes.amp import compiling, memory, precision
+from amp_recipes.tasks import batches, classification, metrics
+from amp_recipes.training import optim, outputs
+from amp_recipes.training.run import TrainingRun
 
 logger = get_logger(__name__)
 
@@ -44,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     # argparse's parser; under a multi-process launch its error is printed once, not once per rank.
     parser = arguments.ArgumentParser(description=__doc__.splitlines()[0])
     data = parser.add_argument_group("data")
-    data.add_argument("--task_name", choices=sorted(glue.GLUE_TASKS), help="GLUE task (else --train_file).")
+    data.add_argument(
+        "--task_name", choices=sorted(classification.GLUE_TASKS), help="GLUE task (else --train_file)."
+    )
     data.add_argument(
         "--data_dir",
         default=os.environ.get("GLUE_DIR"),
@@ -128,13 +121,13 @@ def load_data(args, tokenizer, accelerator):
     with accelerator.main_process_first():  # the main process loads and tokenises, the others read its cache
         text_columns = tuple(args.text_columns.split(",")) if args.text_columns else None
         if args.task_name:
-            task = glue.load_glue(args.task_name, args.data_dir)
+            task = classification.load_glue(args.task_name, args.data_dir)
         elif args.dataset_name:  # a Hub dataset, read as your own files are
-            task = glue.load_named_dataset(
+            task = classification.load_named_dataset(
                 args.dataset_name, args.dataset_config_name, text_columns, args.label_column, args.label_type
             )
         else:
-            task = glue.load_user_files(
+            task = classification.load_user_files(
                 args.train_file,
                 args.validation_file,
                 text_columns,
@@ -144,13 +137,21 @@ def load_data(args, tokenizer, accelerator):
         task.splits["train"] = batches.first_rows(task.splits["train"], args.max_train_samples)
         for split in task.eval_splits:
             task.splits[split] = batches.first_rows(task.splits[split], args.max_eval_samples)
-        tokenized = glue.tokenize_splits(task, tokenizer, args.max_seq_length, args.preprocessing_num_workers)
+        tokenized = classification.tokenize_splits(
+            task, tokenizer, args.max_seq_length, args.preprocessing_num_workers
+        )
         # --do_predict: the GLUE task's test split(s) or --test_file, texts only.
-        tests = glue.load_test_splits(task, args.data_dir, args.test_file) if args.do_predict else {}
-        tests = glue.tokenize_splits(task, tokenizer, args.max_seq_length, splits=tests) if tests else {}
+        tests = (
+            classification.load_test_splits(task, args.data_dir, args.test_file) if args.do_predict else {}
+        )
+        tests = (
+            classification.tokenize_splits(task, tokenizer, args.max_seq_length, splits=tests)
+            if tests
+            else {}
+        )
     pad_to = args.max_seq_length if args.pad_to_max_length else None  # --pad_to_max_length: one length
     # AMP: fp16/bf16 batches are padded to a multiple of 8, the shapes Tensor Cores run fastest.
-    collator = glue.make_collator(tokenizer, accelerator.mixed_precision, pad_to)
+    collator = classification.make_collator(tokenizer, accelerator.mixed_precision, pad_to)
     loader_kwargs = batches.loader_settings(accelerator, collator, args.dataloader_num_workers)
     batch_size = args.per_device_train_batch_size
     sampler = batches.train_sampler(tokenized["train"], batch_size, args.group_by_length, args.seed)
@@ -248,9 +249,9 @@ def predict(model, test_dataloaders, accelerator, task, output_dir) -> dict:
                 predicted += accelerator.gather_for_metrics(predictions).cpu().tolist()  # in file order
             mismatched = split == "test_mismatched"  # MNLI: predict_results_mnli-mm.txt, as run_glue.py
             if accelerator.is_main_process:
-                lines = glue.prediction_lines(predicted, task.label_names)
+                lines = classification.prediction_lines(predicted, task.label_names)
                 name = f"predict_results_{task.name}{'-mm' if mismatched else ''}.txt"
-                records.write_text_atomic(os.path.join(output_dir, name), lines)
+                outputs.write_text_atomic(os.path.join(output_dir, name), lines)
             counts[f"predict_samples{'_mm' if mismatched else ''}"] = len(predicted)  # as evaluation's keys
     model.train()
     return counts
@@ -299,7 +300,7 @@ def main(argv=None):
                 args.config_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
             )
             tokenizer = AutoTokenizer.from_pretrained(
-                args.tokenizer_name or args.model_name_or_path, **migration.tokenizer_kwargs(args)
+                args.tokenizer_name or args.model_name_or_path, **no_trainer.tokenizer_kwargs(args)
             )
         task, train_dataloader, eval_dataloaders, test_dataloaders = load_data(args, tokenizer, accelerator)
 

@@ -23,8 +23,11 @@ from accelerate.utils import DataLoaderConfiguration, GradScalerKwargs, InitProc
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer, get_scheduler
 
-from amp_recipes import arguments, batches, compiling, errors, memory, migration, mlm, optim, precision
-from amp_recipes.run import TrainingRun
+from amp_recipes import arguments, errors, no_trainer
+from amp_recipes.amp import compiling, memory, precision
+from amp_recipes.tasks import batches, mlm
+from amp_recipes.training import optim
+from amp_recipes.training.run import TrainingRun
 
 logger = get_logger(__name__)
 
@@ -114,7 +117,7 @@ def load_data(args, tokenizer, accelerator):
                 args.validation_split_percentage,
                 args.seed,
             )
-        args.max_seq_length = migration.max_seq_length(args, tokenizer)  # unset: the model's, at most 1024
+        args.max_seq_length = no_trainer.max_seq_length(args, tokenizer)  # unset: the model's, at most 1024
         workers, from_cache = args.preprocessing_num_workers, not args.overwrite_cache
         if args.line_by_line:  # one sequence per line (padded to --max_seq_length with --pad_to_max_length)
             blocks = mlm.tokenize_lines(
@@ -233,7 +236,7 @@ def main(argv=None):
         # --------------------------------------------------------------------- data
         with errors.model_load_errors(args.model_name_or_path):
             tokenizer = AutoTokenizer.from_pretrained(
-                args.tokenizer_name or args.model_name_or_path, **migration.tokenizer_kwargs(args)
+                args.tokenizer_name or args.model_name_or_path, **no_trainer.tokenizer_kwargs(args)
             )
         train_dataloader, eval_dataloader = load_data(args, tokenizer, accelerator)
 

@@ -29,20 +29,11 @@ from transformers import (
     get_scheduler,
 )
 
-from amp_recipes import (
-    arguments,
-    batches,
-    compiling,
-    errors,
-    memory,
-    metrics,
-    migration,
-    ner,
-    optim,
-    precision,
-    records,
-)
-from amp_recipes.run import TrainingRun
+from amp_recipes import arguments, errors, no_trainer
+from amp_recipes.amp import compiling, memory, precision
+from amp_recipes.tasks import batches, metrics, ner
+from amp_recipes.training import optim, outputs
+from amp_recipes.training.run import TrainingRun
 
 logger = get_logger(__name__)
 
@@ -288,7 +279,7 @@ def predict(model, test, accelerator, label_names, output_dir) -> dict:
     tagged = tag_words(model, dataloader, accelerator, test["tokens"], test["word_index"], label_names)
     if accelerator.is_main_process:
         lines = ner.conll_lines(test["tokens"], tagged)
-        records.write_text_atomic(os.path.join(output_dir, "predictions.txt"), lines)
+        outputs.write_text_atomic(os.path.join(output_dir, "predictions.txt"), lines)
     truncated_words = ner.words_cut(test["tokens"], test["word_index"])
     return {"predict_samples": len(tagged), "predict_truncated_words": truncated_words}
 
@@ -338,7 +329,7 @@ def main(argv=None):
             tokenizer = AutoTokenizer.from_pretrained(
                 args.tokenizer_name or args.model_name_or_path,
                 **ner.tokenizer_kwargs(config),
-                **migration.tokenizer_kwargs(args),
+                **no_trainer.tokenizer_kwargs(args),
             )
         task, train_dataloader, eval_dataloader, gold, test = load_data(args, tokenizer, accelerator)
 

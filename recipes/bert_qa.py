@@ -29,19 +29,11 @@ from transformers import (
     get_scheduler,
 )
 
-from amp_recipes import (
-    arguments,
-    batches,
-    compiling,
-    errors,
-    memory,
-    metrics,
-    migration,
-    optim,
-    precision,
-    qa,
-)
-from amp_recipes.run import TrainingRun
+from amp_recipes import arguments, errors, no_trainer
+from amp_recipes.amp import compiling, memory, precision
+from amp_recipes.tasks import batches, metrics, qa
+from amp_recipes.training import optim
+from amp_recipes.training.run import TrainingRun
 
 logger = get_logger(__name__)
 
@@ -308,7 +300,7 @@ def main(argv=None):
                 args.config_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
             )
             tokenizer = AutoTokenizer.from_pretrained(
-                args.tokenizer_name or args.model_name_or_path, **migration.tokenizer_kwargs(args)
+                args.tokenizer_name or args.model_name_or_path, **no_trainer.tokenizer_kwargs(args)
             )
         task, train_dataloader, eval_dataloader, gold, test = load_data(args, tokenizer, accelerator)
 

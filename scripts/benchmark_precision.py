@@ -10,7 +10,7 @@
 
 Each arm, and each trial of the batch-size search, runs in this process with the same seed, the
 same initial weights and the same batches, measured by the engine the precision doctor uses
-(amp_recipes.measure): accelerate's state is reset before each trial, and the peak memory
+(amp_recipes.measure.engine): accelerate's state is reset before each trial, and the peak memory
 restarted (on a GPU the allocator's, after `empty_cache`; on a CPU Linux's peak resident set).
 An out-of-memory error anywhere in a trial (the model's build, `prepare()`, a step: torch's,
 what accelerate's `find_executable_batch_size` reads as one, or the driver's) means "does not
@@ -30,9 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from amp_recipes.precision import MIXED_PRECISION, precision_of
+from amp_recipes.amp.precision import MIXED_PRECISION, precision_of
 
-# An arm is a precision of amp_recipes.precision.MIXED_PRECISION (fp32; tf32, fp32 with TF32 matmuls
+# An arm is a precision of amp_recipes.amp.precision.MIXED_PRECISION (fp32; tf32, fp32 with TF32 matmuls
 # allowed; fp16; bf16; fp8, Linear layers in fp8 (--fp8_backend) and the rest bf16, Ada/Hopper GPUs
 # only), then modifiers.
 COMPILED = "+compile"
@@ -206,7 +206,7 @@ def make_batches(config: dict, model_config, batch_size: int, count: int):
     if config["task_name"]:
         from transformers import AutoTokenizer
 
-        from amp_recipes.glue import load_glue
+        from amp_recipes.tasks.classification import load_glue
 
         task = load_glue(config["task_name"], config["data_dir"])
         tokenizer = AutoTokenizer.from_pretrained(
@@ -249,14 +249,13 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from amp_recipes.compiling import CompileMonitor, dynamo_plugin
-    from amp_recipes.flops import matmul_parameters, training_flops_per_step
-    from amp_recipes.hardware import hardware_record, tf32_matmul_enabled
-    from amp_recipes.measure import time_steps
-    from amp_recipes.memory import enable_gradient_checkpointing, gradient_checkpointing_on
-    from amp_recipes.meters import peak_memory_since_window, start_memory_window
-    from amp_recipes.optim import make_optimizer
-    from amp_recipes.precision import describe_precision, fp8_layer_report, fp8_recipe_kwargs
+    from amp_recipes.amp.compiling import CompileMonitor, dynamo_plugin
+    from amp_recipes.amp.hardware import hardware_record, tf32_matmul_enabled
+    from amp_recipes.amp.memory import enable_gradient_checkpointing, gradient_checkpointing_on
+    from amp_recipes.amp.precision import describe_precision, fp8_layer_report, fp8_recipe_kwargs
+    from amp_recipes.measure.engine import peak_memory_since_window, start_memory_window, time_steps
+    from amp_recipes.measure.flops import matmul_parameters, training_flops_per_step
+    from amp_recipes.training.optim import make_optimizer
 
     mixed_precision, tf32 = MIXED_PRECISION[precision_of(arm)], precision_of(arm) == "tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -318,7 +317,7 @@ def measure(config: dict, arm: str, batch_size: int, warmup_steps: int, timed_st
         return loss.detach()
 
     # An out-of-memory error goes up to the caller: at the timed batch the arm does not fit; in a
-    # search (amp_recipes.measure.largest_batch) the trial does not.
+    # search (amp_recipes.measure.engine.largest_batch) the trial does not.
     compiled = CompileMonitor(compile_flags.torch_compile)  # the compilation is at the first step
     try:
         timed = time_steps(step, batches, device, warmup_steps)
@@ -396,7 +395,7 @@ def trial(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) 
     (precision, device, plugins) and refuses an Accelerator with other settings once it exists: it
     is reset before each trial, as accelerate's own test suite does between tests; dynamo's graphs
     of the last compiled trial (which hold its model) are dropped, and `measure` starts with a
-    released allocator and a restarted peak (amp_recipes.meters.start_memory_window; on a CPU
+    released allocator and a restarted peak (amp_recipes.measure.engine.start_memory_window; on a CPU
     Linux's peak resident set, restarted through /proc/self/clear_refs). An out-of-memory error
     anywhere in the trial (the model's build, prepare(), a step) goes up as it is: the caller reads
     it as "does not fit"; any other error is a BenchmarkCrash, never "does not fit"."""
@@ -405,7 +404,7 @@ def trial(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) 
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
-    from amp_recipes.measure import is_out_of_memory
+    from amp_recipes.measure.engine import is_out_of_memory
 
     started = time.monotonic()
     AcceleratorState._reset_state(True)
@@ -431,7 +430,7 @@ def trial(args, arm: str, batch_size: int, warmup_steps: int, timed_steps: int) 
 
 
 def search_max_batch(args, arm: str, device, budget: int) -> dict:
-    """The arm's largest batch, by the measurement engine (amp_recipes.measure.largest_batch), each
+    """The arm's largest batch, by the measurement engine (amp_recipes.measure.engine.largest_batch), each
     trial one warm-up step and one measured: on a GPU doubled from --search_start then bisected to
     --search_granularity under the budget's allocator cap; on a CPU the same against the peak
     resident set with --memory_budget_gb, else predicted from the peaks at --batch_size and twice it
@@ -439,7 +438,7 @@ def search_max_batch(args, arm: str, device, budget: int) -> dict:
     --time_limit_s."""
     import math
 
-    from amp_recipes.measure import largest_batch
+    from amp_recipes.measure.engine import largest_batch
 
     search_started = time.monotonic()
     ends = math.inf if args.search_ends is None else args.started + args.search_ends
@@ -534,8 +533,8 @@ def compare(results: dict) -> None:
 
 
 def markdown_table(results: dict) -> str:
-    from amp_recipes import report
-    from amp_recipes.precision import describe_fp8_layers
+    from amp_recipes.amp.precision import describe_fp8_layers
+    from amp_recipes.measure import report
 
     def gib(value):
         return f"{value / 2**30:.2f}" if value else "—"
@@ -643,7 +642,7 @@ def report_to_trackers(args, results: dict, hardware: dict) -> None:
     """One tracker run per arm: in W&B in one group (group = benchmark id, job type = arm), in
     TensorBoard in <output_dir>/logs/<arm>: its losses and step times step by step, its figures in
     the summary, the comparison table of every arm (W&B)."""
-    from amp_recipes import report
+    from amp_recipes.measure import report
 
     columns = ["arm", "ran_as", "peak_memory_gib", "max_batch_size", "samples_per_second"]
     columns += ["speedup", "memory_drop_percent", "headroom"]
@@ -716,8 +715,8 @@ def run_arms(args, hardware: dict, device, budget: int, after_arm=None) -> dict:
 def run_arm(args, arm: str, hardware: dict, device, budget: int) -> dict:
     """One arm: its timed run (on a GPU under --memory_budget_gb's allocator cap), then (unless
     skipped) its largest batch."""
-    from amp_recipes.flops import device_peak_tflops, mfu
-    from amp_recipes.measure import allocator_cap, is_out_of_memory
+    from amp_recipes.measure.engine import allocator_cap, is_out_of_memory
+    from amp_recipes.measure.flops import device_peak_tflops, mfu
 
     print(f"[{arm}] timing {args.timed_steps} steps at batch {args.batch_size} ...", flush=True)
     with allocator_cap(device, args.memory_budget_gb and budget) as card:
@@ -758,17 +757,17 @@ def main(argv=None) -> dict:
         sys.exit(
             "error: run the benchmark as one process (it runs each arm in turn); drop --num_processes/--multi_gpu."
         )
-    from amp_recipes import report
-    from amp_recipes.hardware import hardware_record
-    from amp_recipes.measure import cpu_peak_restarts, memory_budget
+    from amp_recipes.amp.hardware import hardware_record
+    from amp_recipes.measure import report
+    from amp_recipes.measure.engine import cpu_peak_restarts, memory_budget
 
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     device = state.device
     hardware = hardware_record(device)
     if any(precision_of(arm) == "fp8" for arm in args.arms):  # refused before any arm runs
-        from amp_recipes.hardware import device_facts
-        from amp_recipes.precision import fp8_refusal
+        from amp_recipes.amp.hardware import device_facts
+        from amp_recipes.amp.precision import fp8_refusal
 
         refusal = fp8_refusal(device_facts(), args.fp8_backend)
         if refusal:

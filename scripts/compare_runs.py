@@ -27,7 +27,7 @@ def load_run(path: Path) -> dict:
 
 
 def markdown(runs: list[dict]) -> str:
-    from amp_recipes.report import table
+    from amp_recipes.measure.report import table
 
     metric_names = sorted({k for run in runs for k in run["results"] if k.startswith("eval_")})
     header = ["run", "precision", *metric_names, "train time (s)", "samples/s", "tokens/s"]
@@ -78,7 +78,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> str:
-    from amp_recipes import report
+    from amp_recipes.measure import report
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, help="Output directories of bert_glue.py runs.")

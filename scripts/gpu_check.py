@@ -193,7 +193,7 @@ def paired(args, out: Path, work: Path) -> dict:
 
 def figures_lines(summary: dict) -> list[str]:
     """The headline figures: the doctor's per precision, the paired runs' against fp32."""
-    from amp_recipes import report
+    from amp_recipes.measure import report
 
     lines = []
     doctor_part = summary["parts"].get("doctor", {})
@@ -225,7 +225,7 @@ def figures_lines(summary: dict) -> list[str]:
 def write_summary(summary: dict, out: Path) -> None:
     """summary.json and summary.md, each written aside and renamed: a check stopped at any moment
     leaves a whole summary of the parts it finished."""
-    from amp_recipes import report
+    from amp_recipes.measure import report
 
     rows = [
         [name, "ok" if part["ok"] else f"NOT OK: {part['why']}", part["seconds"], f"{name}.log"]
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = args.output_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    from amp_recipes.hardware import hardware_record
+    from amp_recipes.amp.hardware import hardware_record
 
     hardware = hardware_record()  # the device, its facts, the library versions: as every report has them
     summary = {

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from amp_recipes.precision import MIXED_PRECISION, precision_of
+from amp_recipes.amp.precision import MIXED_PRECISION, precision_of
 
 REPO_SCRIPTS = Path(__file__).resolve().parent
 NO_WORKSPACES = (
@@ -159,7 +159,7 @@ def parse_args(argv=None):
     if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
         parser.error(f"--memory_budget_gb must be positive, not {args.memory_budget_gb}.")
     args.recipe_defaults = check_recipe_args(parser, args)
-    from amp_recipes.report import trackers
+    from amp_recipes.measure.report import trackers
 
     args.trackers = trackers(args.recipe_defaults["report_to"])
     check_before_runs(parser, args)
@@ -257,7 +257,7 @@ def parse_seeds(parser, text: str) -> list[int]:
 def parse_arms(parser, text: str) -> list[str]:
     arms = [arm.strip() for arm in text.split(",") if arm.strip()]
     if arms == ["auto"]:
-        from amp_recipes.precision import resolve_mixed_precision
+        from amp_recipes.amp.precision import resolve_mixed_precision
 
         chosen, reason = resolve_mixed_precision("auto")
         if chosen == "no":
@@ -436,7 +436,7 @@ def check_pair_config(args) -> None:
                 "run the pair with its own settings (without --group, it keeps its group)."
             )
     args.comparison_run_id = before.get("comparison_run_id") or secrets.token_hex(4)
-    from amp_recipes.records import write_json_atomic
+    from amp_recipes.training.outputs import write_json_atomic
 
     write_json_atomic(path, {**config, "comparison_run_id": args.comparison_run_id})
 
@@ -625,7 +625,7 @@ def fmt(stats: dict, scale: float = 1.0, digits: int = 4) -> str:
 
 
 def markdown(comparison: dict, headroom: dict | None) -> str:
-    from amp_recipes import report
+    from amp_recipes.measure import report
 
     arms, names = comparison["arms"], comparison["metrics"]
     hw = comparison["hardware"]
@@ -847,8 +847,8 @@ def log_comparison(args, comparison: dict, table: str) -> list[str]:
     comparison_summary; a table of every arm x seed, comparison.json's rows; comparison.png; the
     pair's config; its id is in pair.json: a resumed pair updates the same run), and as TensorBoard
     scalars and text in <output_dir>/logs/comparison, rewritten at every comparison of the pair."""
-    from amp_recipes import report
-    from amp_recipes.hardware import library_versions
+    from amp_recipes.amp.hardware import library_versions
+    from amp_recipes.measure import report
 
     columns = list(comparison["rows"][0]) if comparison["rows"] else ["arm", "seed", "status"]
     config = {
@@ -961,7 +961,7 @@ def main(argv=None) -> dict:
     headroom = measure_headroom(args) if args.headroom else None
     comparison = compare(args, runs)
     comparison["headroom"] = headroom
-    from amp_recipes import report
+    from amp_recipes.measure import report
 
     plain = report.json_safe(comparison)  # comparison.json, and what the trackers get: NaN as null
     table = markdown(comparison, headroom)

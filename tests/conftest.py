@@ -142,7 +142,7 @@ def start_launch(cmd, tmp_path, own_session=False, **env):
 def wait_for_checkpoint(process, checkpoints: Path, name: str, timeout=300, or_later=False):
     """Until `latest` names checkpoint `name` (`or_later`: it or a later one, for steps faster than
     the 10 ms look)."""
-    from amp_recipes.checkpoint import LATEST
+    from amp_recipes.training.checkpoint import LATEST
 
     def step(checkpoint: str) -> int:
         return int(checkpoint.rsplit("-", 1)[1])
@@ -187,7 +187,7 @@ def wait_gone(tag: Path, timeout=60) -> None:
 
 def assert_checkpoints_intact(checkpoints: Path, at_least: int) -> str:
     """Every checkpoint-N folder is complete and intact, `latest` names the newest; returns it."""
-    from amp_recipes.checkpoint import LATEST, MARKER, complete_checkpoints, read_checkpoint
+    from amp_recipes.training.checkpoint import LATEST, MARKER, complete_checkpoints, read_checkpoint
 
     folders = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     assert folders == complete_checkpoints(checkpoints)  # no folder that looks valid without its marker
@@ -474,7 +474,7 @@ def assert_same_training(a, b, keys=("loss", "learning_rate")):
 def stop_at(stop_step):
     """A PreemptionHandler for a recipe (monkeypatched in): a SIGTERM "arrives" during optimizer
     step `stop_step` (-1: never); the recipe checkpoints that step and exits with 143."""
-    from amp_recipes.checkpoint import PreemptionHandler
+    from amp_recipes.training.checkpoint import PreemptionHandler
 
     class StopAt(PreemptionHandler):
         def __init__(self):

@@ -26,8 +26,8 @@ from transformers import (
     get_scheduler,
 )
 
-from amp_recipes import batches, glue  # the task's data: loaded, tokenised
-from amp_recipes.metrics import load_metric  # the task's GLUE metric, shipped so it works offline
+from amp_recipes.tasks import batches, classification  # the task's data: loaded, tokenised
+from amp_recipes.tasks.metrics import load_metric  # the task's GLUE metric, shipped so it works offline
 
 DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -73,10 +73,10 @@ def main(argv=None):
 
     # ------------------------------------------------------------------------- data
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    task = glue.load_glue(args.task_name, args.data_dir)
+    task = classification.load_glue(args.task_name, args.data_dir)
     task.splits["train"] = batches.first_rows(task.splits["train"], args.max_train_samples)
     task.splits["validation"] = batches.first_rows(task.splits["validation"], args.max_eval_samples)
-    tokenized = glue.tokenize_splits(task, tokenizer, args.max_seq_length)
+    tokenized = classification.tokenize_splits(task, tokenizer, args.max_seq_length)
     # AMP: fp16/bf16 batches padded to a multiple of 8, the shapes Tensor Cores run fastest.
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if amp else None)
     if args.group_by_length:  # less padding: 0.6x the time on MRPC, scores within seed noise

@@ -14,7 +14,8 @@ import pytest
 from conftest import BERT_BASE_CONFIG, GLUE_DIR, REPO, TINY_BERT, load_module, run
 from transformers import AutoTokenizer
 
-from amp_recipes import hardware, ner, qa
+from amp_recipes.amp import hardware
+from amp_recipes.tasks import ner, qa
 
 pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
 
@@ -35,7 +36,7 @@ def tokenizer():
 
 def test_qa_windows_and_answers_equal_the_recipes(script, tokenizer):
     """run_qa.py's windows and answer positions, and utils_qa.py's n-best answers, against the QA
-    recipe's (amp_recipes.qa) on the repository's SQuAD questions, in windows short enough that
+    recipe's (amp_recipes.tasks.qa) on the repository's SQuAD questions, in windows short enough that
     most contexts span several."""
     data = qa.load_files(str(SQUAD / "train.json"), str(SQUAD / "dev.json"), COLUMNS, False)
     spec = {"max_seq_length": 128, "doc_stride": 32}

@@ -14,7 +14,7 @@ product's own code."""
 def emulate_fp8(setattr=setattr):
     import dataclasses
 
-    from amp_recipes import precision
+    from amp_recipes.amp import precision
 
     product_config = precision.fp8_linear_config
 

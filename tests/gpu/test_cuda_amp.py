@@ -11,8 +11,8 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.test_utils import require_cuda
 
-from amp_recipes.hardware import hardware_record
-from amp_recipes.precision import describe_precision
+from amp_recipes.amp.hardware import hardware_record
+from amp_recipes.amp.precision import describe_precision
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +78,7 @@ def test_injected_overflow_with_the_recipes_fused_adamw_is_seen_by_telemetry():
     """With fused AdamW the GradScaler always calls optimizer.step (the kernel skips inside), so
     accelerate's step_was_skipped misses the skip; StepTelemetry, which the recipes use to hold
     the scheduler, must see it, and the weights must not move."""
-    from amp_recipes.telemetry import StepTelemetry
+    from amp_recipes.training.telemetry import StepTelemetry
 
     accelerator, model, optimizer, scheduler = tiny_setup("fp16", fused=True)
     telemetry = StepTelemetry(accelerator, model, max_consecutive_skipped=20)
@@ -135,7 +135,7 @@ def test_a_compiled_fp32_model_compiles_and_runs_the_tf32_accelerate_turns_on():
     prepared model is compiled by inductor (dynamo's own counter of the graphs it compiled)."""
     from torch._dynamo.utils import counters
 
-    from amp_recipes.hardware import tf32_matmul_enabled
+    from amp_recipes.amp.hardware import tf32_matmul_enabled
 
     # Saved and restored through the legacy flag, the API accelerate sets it with: restoring only
     # the new one (fp32_precision) would leave the two disagreeing, which torch refuses at the next

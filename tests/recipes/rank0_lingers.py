@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from amp_recipes import peers, run
+from amp_recipes.training import peers, run
 
 real_predictions = run.TrainingRun._predictions
 

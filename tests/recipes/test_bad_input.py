@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from conftest import RECIPES, TINY_BERT, reset_accelerate
 
-from amp_recipes.outputs import LOCK, release_held
+from amp_recipes.training.outputs import LOCK, release_held
 
 ERROR_LINE = r"^(bert_\w+\.py: )?error: "
 

@@ -122,7 +122,9 @@ def test_the_console_says_the_run_in_a_few_lines_and_run_config_json_holds_every
     result, output_dir, tmp_path = tiny_mrpc_run
     logged = [line for line in result.stderr.splitlines() if " INFO " in line or line.startswith("  ")]
     assert max(map(len, logged)) < 300, max(logged, key=len)
-    start = result.stderr[result.stderr.index("INFO amp_recipes.run: [RANK 0] Run: ") :].splitlines()[:4]
+    start = result.stderr[
+        result.stderr.index("INFO amp_recipes.training.run: [RANK 0] Run: ") :
+    ].splitlines()[:4]
     assert start[0].endswith(f"Run: mrpc, {TINY_BERT}, fp32 (one device, 1 process)")
     assert start[1:] == [
         "  batch:  8 per process x 1 x 2 accumulated = 16 examples per optimizer step",

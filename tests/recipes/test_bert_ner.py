@@ -18,9 +18,9 @@ from conftest import (
     train,
 )
 
-from amp_recipes.metrics import load_metric
-from amp_recipes.ner import read_file
-from amp_recipes.run import describe_results
+from amp_recipes.tasks.metrics import load_metric
+from amp_recipes.tasks.ner import read_file
+from amp_recipes.training.run import describe_results
 
 CONLL = REPO / "data" / "conll2003"
 FILES = ["--train_file", CONLL / "train.txt", "--validation_file", CONLL / "valid.txt"]

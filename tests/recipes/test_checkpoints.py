@@ -29,8 +29,9 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from amp_recipes import checkpoint
-from amp_recipes.checkpoint import (
+from amp_recipes.errors import InputError
+from amp_recipes.training import checkpoint
+from amp_recipes.training.checkpoint import (
     LATEST,
     MARKER,
     CheckpointError,
@@ -38,7 +39,6 @@ from amp_recipes.checkpoint import (
     rotate,
     save_checkpoint,
 )
-from amp_recipes.errors import InputError
 
 TINY = glue_flags(learning_rate=1e-3, logging_steps=1, seed=7)
 
@@ -88,7 +88,7 @@ def test_ctrl_c_stops_after_the_step_with_130_and_a_second_one_at_once(tmp_path)
     once. (The relay through a real launcher: tests/recipes/test_scale_out.py.)"""
     code = (
         "import os, signal, time\n"
-        "from amp_recipes.checkpoint import PreemptionHandler\n"
+        "from amp_recipes.training.checkpoint import PreemptionHandler\n"
         "class OneProcess: num_processes = 1\n"
         "handler = PreemptionHandler()\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"

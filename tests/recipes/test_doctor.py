@@ -27,7 +27,7 @@ from conftest import (
 from families import glue_sentences
 from wandb_offline import offline_run, offline_summary
 
-from amp_recipes import doctor
+from amp_recipes.measure import doctor
 
 SCALED = "bert.encoder.layer.1.output.dense"
 CONLL, SQUAD = REPO / "data" / "conll2003", REPO / "data" / "squad"
@@ -200,7 +200,7 @@ def test_the_batches_are_the_recipes_own_padded_as_each_precision_pads(name, tmp
         """The recipe's training loader, from its own load_data, in a run of that precision."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from amp_recipes import ner
+        from amp_recipes.tasks import ner
 
         extra = ner.tokenizer_kwargs(AutoConfig.from_pretrained(TINY_BERT)) if name == "bert_ner" else {}
         tokenizer = AutoTokenizer.from_pretrained(TINY_BERT, **extra)
@@ -279,7 +279,8 @@ def test_the_commands_budget_counts_from_the_process_start(tmp_path):
     # (a sleep stands in for them) before the command runs: they count.
     script = (
         "import sys, time\n"
-        "from amp_recipes import cli, doctor\n"
+        "from amp_recipes import cli\n"
+        "from amp_recipes.measure import doctor\n"
         "time.sleep(2)\n"
         "doctor.main = lambda argv, started: print(time.monotonic() - started)\n"
         "sys.argv = ['amp-recipes', 'doctor', '--recipe', 'bert_glue']\n"
@@ -352,7 +353,7 @@ def test_fp8s_share_is_the_layer_report_of_a_real_fp8_run(fp8_on_cpu, tmp_path):
     """Where the device has fp8 (the device facts of a compute-capability-9.0 GPU: what this CPU
     lacks), the doctor names the Linear layers accelerate converts and their FLOP share: the
     figures the recipe's own fp8 run (torchao, emulated here) reports after prepare()."""
-    from amp_recipes.hardware import device_facts
+    from amp_recipes.amp.hardware import device_facts
 
     recipe = load_recipe("bert_glue")
     flags = glue_flags(max_train_samples=16, max_train_steps=1, output_dir=tmp_path / "fp8")

@@ -38,7 +38,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from amp_recipes.checkpoint import read_checkpoint
+from amp_recipes.training.checkpoint import read_checkpoint
 
 FP16_ON_CPU = REPO / "tests" / "fp16_on_cpu"  # on a launch's PYTHONPATH: accelerate's fp16 path on a CPU
 WITHOUT_REPLAY = REPO / "tests" / "recipes" / "without_overflow_replay.py"
@@ -196,7 +196,7 @@ from accelerate.utils import GradScalerKwargs
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
-from amp_recipes import precision
+from amp_recipes.amp import precision
 from amp_recipes.errors import InputError
 
 answers = []

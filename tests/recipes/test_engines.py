@@ -24,7 +24,7 @@ from conftest import (
     run_processes,
 )
 
-from amp_recipes.checkpoint import complete_checkpoints, read_checkpoint, resolve_checkpoint
+from amp_recipes.training.checkpoint import complete_checkpoints, read_checkpoint, resolve_checkpoint
 
 STATE_PROBE = """
 import json, os

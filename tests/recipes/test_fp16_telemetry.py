@@ -9,8 +9,8 @@ import torch
 from conftest import Fp16OnCpu, glue_flags, log_history, on_model_load, train
 from safetensors.torch import load_file
 
-from amp_recipes.checkpoint import complete_checkpoints
 from amp_recipes.errors import TrainingDiverged
+from amp_recipes.training.checkpoint import complete_checkpoints
 
 INJECTED = "bert.encoder.layer.1.output.dense"
 LEARNING_RATE = 1e-3
@@ -222,8 +222,8 @@ def test_activation_monitor_reports_the_modules_closest_to_fp16_overflow(recipe,
 def test_auto_precision_and_the_preflight_block(recipe, tmp_path, caplog, monkeypatch):
     import copy
 
-    from amp_recipes.hardware import device_facts
-    from amp_recipes.precision import choose_auto_precision
+    from amp_recipes.amp.hardware import device_facts
+    from amp_recipes.amp.precision import choose_auto_precision
 
     caplog.set_level("INFO")
     _, reason = choose_auto_precision(device_facts())  # the wording of the reason

@@ -34,9 +34,9 @@ from conftest import (
 )
 from transformers import AutoModelForSequenceClassification
 
-from amp_recipes import checkpoint
-from amp_recipes.checkpoint import MARKER
-from amp_recipes.precision import fp8_layer_report, fp8_recipe_kwargs, is_fp8_linear, log_fp8_report
+from amp_recipes.amp.precision import fp8_layer_report, fp8_recipe_kwargs, is_fp8_linear, log_fp8_report
+from amp_recipes.training import checkpoint
+from amp_recipes.training.checkpoint import MARKER
 
 pytest.importorskip("torchao", reason="the [fp8] extra (requirements-dev.txt installs it)")
 
@@ -90,7 +90,7 @@ def test_the_emulation_seam_changes_emulate_and_nothing_else(fsdp2, monkeypatch)
     (such as a seam of its own that hid the product's all-gather setting) fails here."""
     import dataclasses
 
-    from amp_recipes import precision
+    from amp_recipes.amp import precision
 
     product = precision.fp8_linear_config(fsdp2)
     load_module(FP8_EMULATION / "sitecustomize.py", "fp8_emulation").emulate_fp8(monkeypatch.setattr)
@@ -121,9 +121,9 @@ def test_every_converted_weight_is_in_the_optimizer_and_trains(fp8_on_cpu):
     were new Parameters the optimizer never saw: the guard refuses that in one sentence."""
     import dataclasses
 
-    from amp_recipes import precision
+    from amp_recipes.amp import precision
     from amp_recipes.errors import InputError
-    from amp_recipes.optim import check_every_parameter_trains
+    from amp_recipes.training.optim import check_every_parameter_trains
 
     def prepared(config):
         reset_accelerate()

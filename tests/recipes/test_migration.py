@@ -25,7 +25,7 @@ import torch
 from conftest import RECIPES, REPO, TINY_BERT, accelerate_launch, load_recipe, reset_accelerate, run
 from safetensors.torch import load_file
 
-from amp_recipes.checkpoint import LATEST, MARKER
+from amp_recipes.training.checkpoint import LATEST, MARKER
 
 FIXTURES = REPO / "tests" / "data" / "no_trainer"
 SNAPSHOT = json.loads((FIXTURES / "flags.json").read_text())["examples"]
@@ -194,12 +194,12 @@ SETTLE_SEED = """
 import argparse, logging, sys
 from pathlib import Path
 from accelerate import Accelerator
-from amp_recipes import migration
+from amp_recipes import no_trainer
 logging.basicConfig(level=logging.INFO)
 accelerator = Accelerator()
 resume = None if sys.argv[1] == "none" else sys.argv[1]
 args = argparse.Namespace(seed=None, resume_from_checkpoint=resume)
-migration.settle_seed(accelerator, args, Path(resume or "."))
+no_trainer.settle_seed(accelerator, args, Path(resume or "."))
 print(f"rank {accelerator.process_index} seed {args.seed}", flush=True)
 accelerator.end_training()  # the process group ended before exit: else gloo can abort the exit
 """

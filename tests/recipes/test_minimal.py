@@ -231,8 +231,8 @@ def test_the_minimal_tier_stays_minimal():
         line for line in source.splitlines() if line.startswith(("from amp_recipes", "import amp_recipes"))
     ]
     assert imports == [
-        "from amp_recipes import batches, glue  # the task's data: loaded, tokenised",
-        "from amp_recipes.metrics import load_metric  # the task's GLUE metric, shipped so it works offline",
+        "from amp_recipes.tasks import batches, classification  # the task's data: loaded, tokenised",
+        "from amp_recipes.tasks.metrics import load_metric  # the task's GLUE metric, shipped so it works offline",
     ]
     assert not any(line.startswith(("from accelerate", "import accelerate")) for line in source.splitlines())
     for call in (

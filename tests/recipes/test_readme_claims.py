@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_BERT, glue_flags, log_history, train
 from safetensors.torch import load_file
 
-from amp_recipes import optim
+from amp_recipes.training import optim
 
 TINY = dict(max_train_samples=48, logging_steps=1, seed=5, learning_rate=1e-3, activation_monitor_interval=0)
 

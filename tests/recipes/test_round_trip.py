@@ -55,8 +55,8 @@ from families import glue_sentences
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
-from amp_recipes.checkpoint import MARKER
-from amp_recipes.outputs import is_example_name
+from amp_recipes.training.checkpoint import MARKER
+from amp_recipes.training.outputs import is_example_name
 
 CONLL, SQUAD = REPO / "data" / "conll2003", REPO / "data" / "squad"
 STEPS = ["--max_train_steps", 4, "--learning_rate", 1e-3, "--seed", 3, "--per_device_eval_batch_size", 8]

@@ -32,7 +32,7 @@ from conftest import (
 from packaging.version import Version
 from safetensors.torch import load_file
 
-from amp_recipes.outputs import LOCK
+from amp_recipes.training.outputs import LOCK
 
 # Many processes: CI runs this file in a lane of its own (.ci/run).
 pytestmark = [pytest.mark.heavy, pytest.mark.usefixtures("no_process_left_behind")]
@@ -317,7 +317,7 @@ def test_a_rank_waiting_for_a_dead_peer_ends_within_seconds_with_one_sentence(pe
     """Rank 0 waits at step 7 in a call that never returns, as NCCL's collectives wait for a peer
     that is gone (gloo's fail at once instead), and rank 1 ends there: killed (SIGKILL), or with an
     error of its own. The launcher's SIGTERM reaches rank 0, whose handler can only note it; its peer
-    watch (amp_recipes.peers) ends it within seconds, with one sentence, and writes no checkpoint
+    watch (amp_recipes.training.peers) ends it within seconds, with one sentence, and writes no checkpoint
     of the step it was blocked in. Without the watch the launcher's SIGKILL ends rank 0
     LAUNCHER_GRACE_S later, silently, its lock left behind."""
     output_dir = tmp_path / "out"

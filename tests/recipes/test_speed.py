@@ -8,7 +8,8 @@ import torch
 from conftest import RECIPES, REPO, glue_flags, log_history, run, train
 from transformers import AutoModelForSequenceClassification
 
-from amp_recipes import compiling, telemetry
+from amp_recipes.amp import compiling
+from amp_recipes.training import telemetry
 
 TINY = glue_flags(seed=3)
 # Tensor methods that make the host wait for the device (on a GPU); counted when our code calls them.

@@ -1,4 +1,4 @@
-"""amp_recipes.run.TrainingRun: every way out of a recipe's run (finished, evaluation only, preempted,
+"""amp_recipes.training.run.TrainingRun: every way out of a recipe's run (finished, evaluation only, preempted,
 failed) goes through its one exit path: the lock is released, the signal handlers and hooks go,
 and the trackers end only for a run that finished or stopped on a signal."""
 
@@ -7,8 +7,8 @@ import signal
 import pytest
 from conftest import glue_flags, stop_at, train
 
-from amp_recipes import checkpoint, outputs
-from amp_recipes.run import TrainingRun
+from amp_recipes.training import checkpoint, outputs
+from amp_recipes.training.run import TrainingRun
 
 TINY = {"max_train_samples": 32, "logging_steps": 1}
 

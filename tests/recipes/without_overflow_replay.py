@@ -3,14 +3,14 @@
     accelerate launch ... tests/recipes/without_overflow_replay.py recipes/bert_glue.py ...
 
 After a skipped fp16 step the recipe replays the batch to name the first module whose output or
-gradient overflowed (amp_recipes.telemetry.locate_nonfinite). Here that replay is not made, and the
+gradient overflowed (amp_recipes.training.telemetry.locate_nonfinite). Here that replay is not made, and the
 warning says so: the run a replayed run must equal, weight for weight, since the replay may only
 look and must leave nothing behind."""
 
 import runpy
 import sys
 
-from amp_recipes import telemetry
+from amp_recipes.training import telemetry
 
 
 def not_replayed(accelerator, model, batch, loss_scale):

@@ -9,7 +9,7 @@ import torch
 from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, load_module, reset_accelerate, run
 from wandb_offline import offline_run
 
-import amp_recipes.measure
+import amp_recipes.measure.engine
 
 pytestmark = pytest.mark.heavy  # many processes: CI runs this file in a lane of its own (.ci/run)
 
@@ -231,7 +231,7 @@ def test_each_arms_search_gets_its_share_of_the_time_and_says_how_it_goes(monkey
     argv = ["--arms", "fp32,bf16", "--search_start", "8", "--time_limit_s", "100", "--memory_budget_gb", "4"]
     args = script.parse_args(argv)
     monkeypatch.setattr(script, "time", clock)
-    monkeypatch.setattr(amp_recipes.measure, "time", clock)  # the engine's search reads the same clock
+    monkeypatch.setattr(amp_recipes.measure.engine, "time", clock)  # the engine's search reads the same clock
     args.started = 0.0
 
     def fake_trial(args, arm, batch_size, warmup_steps, timed_steps):

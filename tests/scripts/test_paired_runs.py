@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, TINY_BERT, glue_flags, load_module, run
 from wandb_offline import offline_run, offline_summary
 
-from amp_recipes import report
+from amp_recipes.measure import report
 
 SCRIPT = REPO / "scripts" / "paired_runs.py"
 paired = load_module(SCRIPT, "paired_runs")
@@ -270,7 +270,7 @@ def test_bad_flags_fail_before_any_run(argv, message, capsys):
 
 
 def test_auto_arms_are_fp32_and_what_auto_picks(monkeypatch):
-    import amp_recipes.precision as precision
+    import amp_recipes.amp.precision as precision
 
     monkeypatch.setattr(precision, "resolve_mixed_precision", lambda flag: ("bf16", "an Ampere+ GPU"))
     assert parse("--arms", "auto").arms == ["fp32", "bf16"]

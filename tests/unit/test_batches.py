@@ -9,10 +9,10 @@ import torch
 from conftest import GLUE_DIR, TINY_BERT
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from amp_recipes.batches import LengthGroupedBatches, by_length, train_sampler
-from amp_recipes.glue import load_glue, make_collator, tokenize_splits
-from amp_recipes.optim import optimizer_grouped_parameters
-from amp_recipes.records import RunRecord, write_json_atomic
+from amp_recipes.tasks.batches import LengthGroupedBatches, by_length, train_sampler
+from amp_recipes.tasks.classification import load_glue, make_collator, tokenize_splits
+from amp_recipes.training.optim import optimizer_grouped_parameters
+from amp_recipes.training.outputs import RunRecord, write_json_atomic
 
 
 def tokenize_task(task_name="rte", max_train=64):
@@ -143,7 +143,7 @@ def test_tokenisation_is_cached_by_datasets_and_never_stale(tmp_path, monkeypatc
 
 
 def test_padding_multiple_of_each_precision():
-    from amp_recipes.batches import pad_multiple
+    from amp_recipes.tasks.batches import pad_multiple
 
     # 8 for fp16/bf16 Tensor Cores; 16 for fp8, torch._scaled_mm's requirement on every matmul
     # dimension, batch x sequence included (the inner dimension of the weight gradient's).

@@ -1,12 +1,12 @@
-"""amp_recipes.best: which evaluation is best, when to stop early, and what a checkpoint keeps of it."""
+"""amp_recipes.training.run: which evaluation is best, when to stop early, and what a checkpoint keeps of it."""
 
 import argparse
 import math
 
 import pytest
 
-from amp_recipes.best import BestModel
 from amp_recipes.errors import InputError
+from amp_recipes.training.run import BestModel
 
 
 def settings(metric="accuracy", greater_is_better=None, patience=None):

@@ -7,7 +7,7 @@ import pytest
 from conftest import GLUE_DIR
 
 from amp_recipes.errors import InputError
-from amp_recipes.glue import (
+from amp_recipes.tasks.classification import (
     GLUE_TASKS,
     get_task,
     load_glue,
@@ -439,7 +439,7 @@ def test_prediction_lines_are_glues_submission_format():
 
 def get_task_data(name):
     """A TaskData of a GLUE task without reading its training files (the test splits need only its texts)."""
-    from amp_recipes.glue import TaskData
+    from amp_recipes.tasks.classification import TaskData
 
     task = get_task(name)
     return TaskData(name, None, task.text_columns, task.label_names, name)

@@ -90,7 +90,7 @@ def test_the_site_builds_strictly(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's banner about its successor
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert (tmp_path / "site" / "api" / "index.html").read_text().count("amp_recipes.precision") > 0
+    assert (tmp_path / "site" / "api" / "index.html").read_text().count("amp_recipes.amp.precision") > 0
 
 
 # ----------------------------------------------------------------------------- documented commands

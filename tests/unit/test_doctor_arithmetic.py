@@ -1,4 +1,4 @@
-"""amp_recipes.doctor's arithmetic: the share of gradients fp16 rounds to zero, read from the
+"""amp_recipes.measure.doctor's arithmetic: the share of gradients fp16 rounds to zero, read from the
 exponent histogram, against a second method (casting the scaled gradient to fp16), and the loss
 scale the GradScaler settles at."""
 
@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from amp_recipes.doctor import FP16_MAX, OVERFLOW, GradientProbe, initial_skips, settled_scale, zero_share
+from amp_recipes.measure.doctor import (
+    FP16_MAX,
+    OVERFLOW,
+    GradientProbe,
+    initial_skips,
+    settled_scale,
+    zero_share,
+)
 
 
 @pytest.mark.parametrize("log2_scale", [0, 10, 16, 24])

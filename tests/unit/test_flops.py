@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
-from amp_recipes.flops import (
+from amp_recipes.measure.flops import (
     device_peak_tflops,
     forward_flops_by_module,
     matmul_parameters,

@@ -1,4 +1,4 @@
-"""amp_recipes.hub: the model card's metadata as the Hub reads it, and the Hub token kept out of
+"""amp_recipes.training.hub: the model card's metadata as the Hub reads it, and the Hub token kept out of
 sys.argv (the recipes run it through tests/recipes/test_bert_glue.py and every round-trip row)."""
 
 import argparse
@@ -6,7 +6,7 @@ import sys
 
 from huggingface_hub import ModelCard
 
-from amp_recipes import hub
+from amp_recipes.training import hub
 
 
 class BertForSequenceClassification:  # the card reads the head from the class name only

@@ -1,4 +1,4 @@
-"""The measurement engine (amp_recipes.measure) that the doctor and the benchmark measure with:
+"""The measurement engine (amp_recipes.measure.engine) that the doctor and the benchmark measure with:
 its batch-size search on a GPU (the device's memory calls faked: this machine has none), its CPU
 search and prediction, its timed steps and what it counts as "does not fit"."""
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from amp_recipes import measure
-from amp_recipes.measure import CUDA_RESERVE
+from amp_recipes.measure import engine
+from amp_recipes.measure.engine import CUDA_RESERVE
 
 
 class Clock:
@@ -16,17 +16,17 @@ class Clock:
 
     def __init__(self, monkeypatch):
         self.now = 0.0
-        monkeypatch.setattr(measure.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(engine.time, "monotonic", lambda: self.now)
 
 
 def test_a_predicted_largest_batch_is_the_line_through_two_measured_peaks():
     """On a CPU: the peaks at the user's batch and at twice it fix the line; the largest batch is
     the last that stays within the budget. A peak that did not grow predicts nothing."""
     peaks = {16: 1_000 + 16 * 40, 32: 1_000 + 32 * 40}
-    found = measure.largest_batch(peaks.__getitem__, torch.device("cpu"), 5_000, 16, math.inf)
+    found = engine.largest_batch(peaks.__getitem__, torch.device("cpu"), 5_000, 16, math.inf)
     assert (found["fixed_bytes"], found["bytes_per_row"]) == (1_000, 40)
     assert found["max_batch_size"] == 100  # 1000 + 100 * 40 = 5000
-    flat = measure.largest_batch(lambda size: 1_000, torch.device("cpu"), 5_000, 16, math.inf)
+    flat = engine.largest_batch(lambda size: 1_000, torch.device("cpu"), 5_000, 16, math.inf)
     assert flat["max_batch_size"] is None and "did not grow" in flat["why"]
     measured = []
 
@@ -34,7 +34,7 @@ def test_a_predicted_largest_batch_is_the_line_through_two_measured_peaks():
         measured.append(size)
         return 3_000
 
-    near = measure.largest_batch(near_the_budget, torch.device("cpu"), 5_000, 16, math.inf)
+    near = engine.largest_batch(near_the_budget, torch.device("cpu"), 5_000, 16, math.inf)
     assert near["max_batch_size"] is None and measured == [16]  # twice the batch is not tried
 
 
@@ -68,9 +68,9 @@ def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatc
     the driver's) means "does not fit"; the fraction set before is restored, after an error too."""
     gpu = FakeGpu(monkeypatch)
     cuda = torch.device("cuda")
-    budget = measure.memory_budget(cuda, None)
+    budget = engine.memory_budget(cuda, None)
     assert budget == gpu.total  # the card
-    assert measure.memory_budget(cuda, 16) == 16 * 2**30  # --memory_budget_gb
+    assert engine.memory_budget(cuda, 16) == 16 * 2**30  # --memory_budget_gb
     outside = (80 - 30 - 2) * 2**30
     allocator = budget - outside - CUDA_RESERVE  # = free + this process's, less the reserve
     assert allocator == 30 * 2**30 + 2 * 2**30 - CUDA_RESERVE
@@ -87,7 +87,7 @@ def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatc
             )
         return size
 
-    found = measure.largest_batch(peak_at, cuda, budget, 16, math.inf)
+    found = engine.largest_batch(peak_at, cuda, budget, 16, math.inf)
     assert (
         found["method"] == "searched"
         and found["max_batch_size"] == 288
@@ -99,7 +99,7 @@ def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatc
     assert (found["allocator_cap_bytes"], found["reserve_bytes"]) == (allocator, CUDA_RESERVE)
     # A smaller card: the allocator's cap is that budget less the same outside and reserve.
     fractions_seen.clear()
-    smaller = measure.largest_batch(peak_at, cuda, 64 * 2**30, 16, math.inf)
+    smaller = engine.largest_batch(peak_at, cuda, 64 * 2**30, 16, math.inf)
     assert set(fractions_seen) == {(64 * 2**30 - outside - CUDA_RESERVE) / gpu.total}
     assert smaller["budget_bytes"] == 64 * 2**30
     # The deadline ends the search: no trial starts that would end past it (judged by the longest
@@ -110,7 +110,7 @@ def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatc
         clock.now += 10
         return size
 
-    cut = measure.largest_batch(ten_seconds, cuda, budget, 16, deadline=35)
+    cut = engine.largest_batch(ten_seconds, cuda, budget, 16, deadline=35)
     assert [t["batch_size"] for t in cut["trials"]] == [1, 2, 4]  # a fourth would end at 40
     assert (cut["max_batch_size"], cut["capped_at_search_max"], cut["search_stopped"]) == (
         4,
@@ -124,13 +124,13 @@ def test_a_gpu_search_tries_batches_under_the_budgets_memory_fraction(monkeypatc
         raise RuntimeError("expected scalar type Half but found Float")
 
     with pytest.raises(RuntimeError, match="expected scalar type"):
-        measure.largest_batch(broken, cuda, budget, 16, 10**9)
+        engine.largest_batch(broken, cuda, budget, 16, 10**9)
     assert gpu.fractions[-1] == 0.9
 
     # A lower cap set before (a call, PYTORCH_CUDA_ALLOC_CONF) is never raised: it is the limit.
     gpu.fractions.append(0.2)
     fractions_seen.clear()
-    capped = measure.largest_batch(peak_at, cuda, budget, 16, 10**9)
+    capped = engine.largest_batch(peak_at, cuda, budget, 16, 10**9)
     assert set(fractions_seen) == {0.2} and gpu.fractions[-1] == 0.2
     assert capped["allocator_cap_bytes"] == int(0.2 * gpu.total)
 
@@ -144,17 +144,17 @@ def test_the_search_doubles_then_bisects_to_the_granularity():
         tried.append(size)
         return size <= 700
 
-    assert measure.largest_fitting(fits, 64, 4096, 32) == (672, 704)
+    assert engine.largest_fitting(fits, 64, 4096, 32) == (672, 704)
     assert tried == [64, 128, 256, 512, 1024, 768, 640, 704, 672]
-    assert measure.largest_fitting(lambda size: True, 64, 256) == (256, None)
-    assert measure.largest_fitting(lambda size: False, 64, 256) == (0, 64)
+    assert engine.largest_fitting(lambda size: True, 64, 256) == (256, None)
+    assert engine.largest_fitting(lambda size: False, 64, 256) == (0, 64)
 
 
 def test_a_cpu_search_measures_under_a_given_budget():
     """On a CPU with a budget given (the benchmark's --memory_budget_gb): searched, a peak over the
     budget is "does not fit", every trial recorded and reported as it ends."""
     seen = []
-    found = measure.largest_batch(
+    found = engine.largest_batch(
         lambda size: 1_000 + 10 * size,
         torch.device("cpu"),
         5_000,
@@ -173,15 +173,13 @@ def test_a_cpu_search_measures_under_a_given_budget():
 def test_what_reads_as_out_of_memory():
     """torch's error, what accelerate's find_executable_batch_size reads as one, and the driver's own
     (a kernel loaded, a cuBLAS handle made), which accelerate does not read; nothing else."""
-    assert measure.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert measure.is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
-    assert measure.is_out_of_memory(
-        RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ...")
-    )
-    assert measure.is_out_of_memory(
+    assert engine.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert engine.is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert engine.is_out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ..."))
+    assert engine.is_out_of_memory(
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
     )
-    assert not measure.is_out_of_memory(RuntimeError("expected scalar type Half but found Float"))
+    assert not engine.is_out_of_memory(RuntimeError("expected scalar type Half but found Float"))
 
 
 def test_the_cap_gets_a_cuda_index_torch_accepts(monkeypatch):
@@ -192,18 +190,18 @@ def test_the_cap_gets_a_cuda_index_torch_accepts(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
         _get_device_index(torch.device("cuda"), optional=False)  # what torch does with the bare device
-    assert _get_device_index(measure.cuda_index(torch.device("cuda")), optional=False) == 0
-    assert measure.cuda_index(torch.device("cuda", 3)) == 3
+    assert _get_device_index(engine.cuda_index(torch.device("cuda")), optional=False) == 0
+    assert engine.cuda_index(torch.device("cuda", 3)) == 3
 
 
 def test_timed_steps_leave_out_the_warmup_and_keep_the_first_apart(monkeypatch):
     """Each step between two synchronizations; the warm-up's steps untimed; the first step's time
     (a compilation) kept apart; the losses read after the clock."""
     clock = iter(range(0, 100))
-    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock) ** 2)  # steps of growing length
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: next(clock) ** 2)  # steps of growing length
     synchronized = []
-    monkeypatch.setattr(measure, "synchronize", synchronized.append)
-    timed = measure.time_steps(lambda batch: torch.tensor(float(batch)), [5, 6, 7], torch.device("cpu"), 1)
+    monkeypatch.setattr(engine, "synchronize", synchronized.append)
+    timed = engine.time_steps(lambda batch: torch.tensor(float(batch)), [5, 6, 7], torch.device("cpu"), 1)
     assert timed["first_step_seconds"] == 1  # 1**2 - 0**2
     assert timed["step_seconds"] == [9 - 4, 25 - 16] and timed["losses"] == [6.0, 7.0]
     assert len(synchronized) == 6
@@ -224,9 +222,9 @@ def test_a_prediction_whose_batch_runs_out_of_memory_says_so():
         return peak_at
 
     cpu = torch.device("cpu")
-    at_your_batch = measure.largest_batch(out_of_memory_from(16), cpu, 10**9, 16)
+    at_your_batch = engine.largest_batch(out_of_memory_from(16), cpu, 10**9, 16)
     assert (at_your_batch["max_batch_size"], at_your_batch["why"]) == (0, "your batch ran out of memory")
-    at_twice = measure.largest_batch(out_of_memory_from(32), cpu, 10**9, 16)
+    at_twice = engine.largest_batch(out_of_memory_from(32), cpu, 10**9, 16)
     assert (at_twice["max_batch_size"], at_twice["why"]) == (16, "twice your batch ran out of memory")
 
 
@@ -234,6 +232,6 @@ def test_a_budget_below_what_lives_outside_the_allocator_says_so(monkeypatch):
     """A card whose budget the CUDA context and the reserve already take: no trial, a reason."""
     FakeGpu(monkeypatch)
     tried = []
-    found = measure.largest_batch(tried.append, torch.device("cuda"), 2**30, 16)
+    found = engine.largest_batch(tried.append, torch.device("cuda"), 2**30, 16)
     assert found["max_batch_size"] is None and "no larger than what lives outside" in found["why"]
     assert tried == [] and found["allocator_cap_bytes"] == 0

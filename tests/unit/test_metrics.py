@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy.stats import rankdata
 
-from amp_recipes.metrics import load_metric
+from amp_recipes.tasks.metrics import load_metric
 
 rng = np.random.default_rng(0)
 REFS = rng.integers(0, 2, size=200)

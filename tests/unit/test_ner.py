@@ -1,4 +1,4 @@
-"""amp_recipes.ner: CoNLL and JSON reading, the tag scheme, label order, sub-word alignment, and
+"""amp_recipes.tasks.ner: CoNLL and JSON reading, the tag scheme, label order, sub-word alignment, and
 the shipped seqeval metric, on the repository's CoNLL-2003 excerpt."""
 
 import json
@@ -7,8 +7,8 @@ import pytest
 from conftest import BERT_BASE_CONFIG, REPO
 
 from amp_recipes.errors import InputError
-from amp_recipes.metrics import load_metric
-from amp_recipes.ner import (
+from amp_recipes.tasks.metrics import load_metric
+from amp_recipes.tasks.ner import (
     label_order,
     load_files,
     load_hub,

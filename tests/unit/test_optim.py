@@ -1,11 +1,11 @@
-"""amp_recipes.optim.training_schedule: the steps the learning-rate scheduler is created with."""
+"""amp_recipes.training.optim.training_schedule: the steps the learning-rate scheduler is created with."""
 
 from types import SimpleNamespace
 
 import pytest
 from accelerate.utils import DistributedType
 
-from amp_recipes.optim import training_schedule
+from amp_recipes.training.optim import training_schedule
 
 
 def flags(**overrides):

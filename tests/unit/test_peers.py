@@ -1,4 +1,4 @@
-"""amp_recipes.peers.PeerWatch's decisions, against a real TCPStore standing in for the one
+"""amp_recipes.training.peers.PeerWatch's decisions, against a real TCPStore standing in for the one
 torchrun's agent keeps, real processes that have ended, and NCCL's own error names
 (torch's ErrorType). The whole path, a launch whose rank dies while another waits in a collective
 that never completes, runs in tests/recipes/test_scale_out.py."""
@@ -14,7 +14,8 @@ import torch.distributed as dist
 from conftest import free_port
 from torch._C._distributed_c10d import ErrorType
 
-from amp_recipes import errors, peers
+from amp_recipes import errors
+from amp_recipes.training import peers
 
 
 @pytest.fixture

@@ -8,10 +8,14 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 
-from amp_recipes import precision
-from amp_recipes.errors import InputError
-from amp_recipes.hardware import device_facts, hardware_record, tf32_matmul_enabled, transparent_huge_pages
-from amp_recipes.precision import (
+from amp_recipes.amp import precision
+from amp_recipes.amp.hardware import (
+    device_facts,
+    hardware_record,
+    tf32_matmul_enabled,
+    transparent_huge_pages,
+)
+from amp_recipes.amp.precision import (
     check_model_dtype,
     choose_auto_precision,
     describe_precision,
@@ -25,6 +29,7 @@ from amp_recipes.precision import (
     preflight_checks,
     resolve_mixed_precision,
 )
+from amp_recipes.errors import InputError
 
 
 @pytest.fixture

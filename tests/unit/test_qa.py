@@ -1,4 +1,4 @@
-"""amp_recipes.qa and the shipped SQuAD metric: reading SQuAD files, windows whose answer
+"""amp_recipes.tasks.qa and the shipped SQuAD metric: reading SQuAD files, windows whose answer
 positions point at the answer text, post-processing of logits into answers, and the official
 exact-match / F1 rules."""
 
@@ -9,8 +9,8 @@ import pytest
 from conftest import BERT_BASE_CONFIG, REPO
 
 from amp_recipes.errors import InputError
-from amp_recipes.metrics import load_metric
-from amp_recipes.qa import check_rows, load_files, postprocess, read_file, tokenize_windows
+from amp_recipes.tasks.metrics import load_metric
+from amp_recipes.tasks.qa import check_rows, load_files, postprocess, read_file, tokenize_windows
 
 SQUAD = REPO / "data" / "squad"
 COLUMNS = {"question": "question", "context": "context", "answers": "answers"}
@@ -269,7 +269,7 @@ def test_postprocess_answers_nothing_when_the_null_score_wins_by_the_threshold()
 
 # ----------------------------------------------------------------------------- the Hub
 def test_the_hub_unreachable_says_how_to_work_offline():
-    from amp_recipes.qa import load_hub
+    from amp_recipes.tasks.qa import load_hub
 
     with pytest.raises(
         InputError, match=r"rajpurkar/squad_v2 .*Offline\?.*--train_file and --validation_file"
@@ -282,7 +282,7 @@ def test_the_hubs_squad_layout_is_read_as_is(monkeypatch):
     are already the recipe's layout: loaded by name, the title dropped."""
     import datasets
 
-    from amp_recipes import qa
+    from amp_recipes.tasks import qa
 
     rows = read_file(str(SQUAD / "dev.json"), COLUMNS).select(range(3))
     asked = []

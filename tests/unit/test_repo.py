@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
@@ -205,11 +206,11 @@ ONE_EVAL_LOADER = [
 ]
 MAIN_DIFFERENCES = {  # recipe: (bert_glue.py's lines besides GLUE_LINES, the recipe's lines in their place)
     "bert_ner": (
-        ["args.tokenizer_name or args.model_name_or_path, **migration.tokenizer_kwargs(args)"],
+        ["args.tokenizer_name or args.model_name_or_path, **no_trainer.tokenizer_kwargs(args)"],
         [
             "args.tokenizer_name or args.model_name_or_path,",
             "**ner.tokenizer_kwargs(config),",
-            "**migration.tokenizer_kwargs(args),",
+            "**no_trainer.tokenizer_kwargs(args),",
             "task, train_dataloader, eval_dataloader, gold, test = load_data(args, tokenizer, accelerator)",
             *ONE_EVAL_LOADER,
             'metric = metrics.load_metric("seqeval")  # shipped with amp_recipes: works offline',
@@ -275,7 +276,7 @@ def test_the_four_recipes_main_cannot_drift(recipe):
 
 
 def test_main_reads_in_five_minutes():
-    """The run around the loop lives in amp_recipes.run.TrainingRun: main() keeps the lesson and
+    """The run around the loop lives in amp_recipes.training.run.TrainingRun: main() keeps the lesson and
     the loop's control flow. The caps are for reading, not targets (issue #52): main() <= 130
     lines, the file <= 380; main() <= 140 since issue #63 added two precision lines (FSDP2's
     plugin, and autocast, which accelerate's FSDP2 path leaves out) and issue #64 the
@@ -291,6 +292,39 @@ def test_main_reads_in_five_minutes():
         assert len(main.splitlines()) <= 150, recipe
         assert len(text.splitlines()) <= 450, recipe
         assert "with TrainingRun(accelerator, args, in_effect) as run:" in main, recipe
+
+
+def test_a_step_reads_in_the_recipe_and_two_library_files():
+    """Everything the training loop calls of the library (`run.<method>`, `run.telemetry.<...>`,
+    `run.meter.<...>`) is defined in amp_recipes/training/run.py or training/telemetry.py, and the
+    loop calls no other amp_recipes module: what a step does is read in the recipe and those two
+    files (issue #70)."""
+    library = REPO / "amp_recipes" / "training"
+    defined = {
+        node.name
+        for name in ("run.py", "telemetry.py")
+        for node in ast.walk(ast.parse((library / name).read_text()))
+        if isinstance(node, ast.FunctionDef)
+    }
+    modules = {name.rsplit(".", 1)[-1] for name in library_modules()}
+    for recipe in ("bert_glue", "bert_mlm", "bert_ner", "bert_qa"):
+        tree = ast.parse((RECIPES / f"{recipe}.py").read_text())
+        loop = next(
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.For) and "run.epochs()" in ast.unparse(node.iter)
+        )
+        called, elsewhere = set(), set()
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                root = ast.unparse(node.func).split(".")[0]
+                if root == "run":
+                    called.add(node.func.attr)
+                elif root in modules:
+                    elsewhere.add(ast.unparse(node.func))
+        assert {"count_batch", "after_optimizer_step", "read", "save_checkpoint", "end_epoch"} <= called
+        assert called <= defined, f"{recipe}: {sorted(called - defined)} defined elsewhere"
+        assert not elsewhere, f"{recipe}'s loop calls {sorted(elsewhere)}"
 
 
 def test_recipes_open_with_their_command():
@@ -428,25 +462,38 @@ def test_no_library_module_imports_another_modules_private_names():
     assert not offenders, offenders
 
 
-def library_imports() -> dict[str, set[str]]:
-    """{module: the amp_recipes modules it imports}, at the top or inside a function, read from the source."""
+def library_modules() -> dict[str, Path]:
+    """{dotted name under amp_recipes (`training.run`, `tasks.metrics`): its file}; the shipped
+    `evaluate` metric scripts are data, not modules of the library."""
     package = REPO / "amp_recipes"
-    modules = {path.stem for path in package.glob("*.py")}
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).with_suffix("").parts
+        if path.parent.parent.name == "metrics" or parts == ("__init__",):
+            continue
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def library_imports() -> dict[str, set[str]]:
+    """{module: the amp_recipes modules it imports}, at the top or inside a function, read from the
+    source: `from amp_recipes.training import run` imports `training.run`, `from
+    amp_recipes.training.run import TrainingRun` too."""
+    modules = library_modules()
     graph = {}
-    for path in package.glob("*.py"):
+    for name, path in modules.items():
         imported = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import x / from .x import y
-                imported |= (
-                    {node.module.split(".")[0]} if node.module else {alias.name for alias in node.names}
-                )
-            elif isinstance(node, ast.ImportFrom) and node.module == "amp_recipes":
-                imported |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_recipes."):
-                imported.add(node.module.split(".")[1])
+            assert not (isinstance(node, ast.ImportFrom) and node.level), f"{name}: a relative import"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_recipes"):
+                base = node.module.removeprefix("amp_recipes").lstrip(".")
+                for alias in node.names:
+                    module = f"{base}.{alias.name}".lstrip(".")
+                    imported.add(module if module in modules else base)
             elif isinstance(node, ast.Import):
-                imported |= {a.name.split(".")[1] for a in node.names if a.name.startswith("amp_recipes.")}
-        graph[path.stem] = (imported & modules) - {path.stem}
+                imported |= {a.name.split(".", 1)[1] for a in node.names if a.name.startswith("amp_recipes.")}
+        packages = {name.rsplit(".", 1)[0]} if "." in name else set()  # its own package's docstring
+        graph[name] = (imported & set(modules)) - {name} - packages
     return graph
 
 
@@ -454,8 +501,28 @@ def test_the_library_has_no_import_cycle():
     """No two modules of amp_recipes need each other, not even through an import inside a function:
     each can be read, and moved, after what it imports."""
     graph = library_imports()
-    assert graph["cli"] >= {"doctor", "shipped"} and "checkpoint" in graph["migration"]  # read, not empty
+    assert graph["cli"] >= {"measure.doctor", "shipped"}  # read, not empty
+    assert {"training.checkpoint", "training.outputs"} <= graph["no_trainer"]
     try:
         tuple(graphlib.TopologicalSorter(graph).static_order())
     except graphlib.CycleError as cycle:
         pytest.fail(f"import cycle: {' -> '.join(cycle.args[1])}")
+
+
+def test_the_module_map_is_the_tree():
+    """recipes/README.md's module map and the API reference name every module of amp_recipes, each
+    where it lives, and nothing else; each subpackage's docstring names its modules."""
+    modules = library_modules()
+    page = (RECIPES / "README.md").read_text()
+    table = page.split("| module | holds |", 1)[1].split("\n\n", 1)[0]
+    mapped = re.findall(r"^\| `([\w.]+)` \|", table, flags=re.M)
+    assert sorted(mapped) == sorted(modules), "recipes/README.md's module map against amp_recipes/"
+    documented = re.findall(
+        r"^::: amp_recipes\.([\w.]+)$", (REPO / "docs" / "api.md").read_text(), flags=re.M
+    )
+    assert sorted(documented) == sorted(modules), "docs/api.md against amp_recipes/"
+    for package in {name.rsplit(".", 1)[0] for name in modules if "." in name}:
+        docstring = ast.get_docstring(ast.parse(modules[package].read_text()))
+        members = {name.rsplit(".", 1)[1] for name in modules if name.startswith(f"{package}.")}
+        unnamed = [member for member in members if f"`{member}`" not in docstring]
+        assert not unnamed, f"amp_recipes/{package}/__init__.py does not name {unnamed}"

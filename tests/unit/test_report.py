@@ -1,4 +1,4 @@
-"""amp_recipes.report, the one writer of every measuring tool's report, read back as a user reads
+"""amp_recipes.measure.report, the one writer of every measuring tool's report, read back as a user reads
 it: the JSON and markdown files, the offline W&B run, the TensorBoard events."""
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from wandb_offline import offline_run, offline_summary
 
-from amp_recipes import report
+from amp_recipes.measure import report
 
 
 def test_a_report_is_its_json_and_its_markdown(tmp_path):

@@ -6,7 +6,13 @@ import pytest
 import torch
 from conftest import Fp16OnCpu, reset_accelerate
 
-from amp_recipes.telemetry import FP16_MAX, ActivationMonitor, NonFiniteLocator, StepTelemetry, _tensors
+from amp_recipes.training.telemetry import (
+    FP16_MAX,
+    ActivationMonitor,
+    NonFiniteLocator,
+    StepTelemetry,
+    _tensors,
+)
 
 
 def net():
@@ -126,7 +132,7 @@ import os, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from accelerate import Accelerator
-from amp_recipes.telemetry import StepTelemetry
+from amp_recipes.training.telemetry import StepTelemetry
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
@@ -195,7 +201,7 @@ def test_reading_many_modules_costs_one_host_copy():
 def test_several_processes_agree_on_a_stop_every_interval_steps_only():
     """The all-reduce + host read that makes every process stop together runs every
     CHECK_INTERVAL optimizer steps, not every step."""
-    from amp_recipes.checkpoint import PreemptionHandler
+    from amp_recipes.training.checkpoint import PreemptionHandler
 
     class TwoProcesses:
         num_processes, checks, triggered = 2, 0, False

@@ -17,10 +17,10 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from .batches import check_max_length
-from .errors import InputError
-from .files import check_file, load_hub_dataset, load_user_file
-from .records import write_json_atomic
+from amp_recipes.errors import InputError
+from amp_recipes.tasks.batches import check_max_length
+from amp_recipes.tasks.files import check_file, load_hub_dataset, load_user_file
+from amp_recipes.training.outputs import write_json_atomic
 
 HUB_DATASETS = {False: "rajpurkar/squad", True: "rajpurkar/squad_v2"}  # by --version_2_with_negative
 JSON_BUILDERS = {".json": "json", ".jsonl": "json"}

@@ -50,10 +50,10 @@ from pathlib import Path
 
 import torch
 
-from . import report as reports
-from .batches import pad_multiple
-from .errors import InputError
-from .precision import MIXED_PRECISION
+from amp_recipes.amp.precision import MIXED_PRECISION
+from amp_recipes.errors import InputError
+from amp_recipes.measure import report as reports
+from amp_recipes.tasks.batches import pad_multiple
 
 FP16_MAX = 65504.0  # fp16's largest value
 OVERFLOW = 65520.0  # from here a value rounds to inf in fp16
@@ -186,7 +186,7 @@ def fp16_risk(probe: GradientProbe, scaler: dict, top: int = 5) -> dict:
 class RecipeRows:
     """The recipe's first training batches, as rows: its own DataLoader picks them (its sampler,
     seeded as the recipe seeds it, in its order), and a copy of its own collator pads them as a run
-    in each precision pads (amp_recipes.batches.pad_multiple: multiples of 8 for fp16 and bf16)."""
+    in each precision pads (amp_recipes.tasks.batches.pad_multiple: multiples of 8 for fp16 and bf16)."""
 
     def __init__(self, dataloader, steps: int, max_length: int):
         self.collator, self.max_length = dataloader.collate_fn, max_length
@@ -256,10 +256,10 @@ def time_steps(
     a CPU the process's peak resident set, less the weights of the doctor's own model, which a
     run does not hold), autocast to `dtype` (None: fp32), fp16 through a GradScaler built with
     `scaler_settings` (torch.amp.GradScaler's keywords), on a copy of the model (the doctor's own
-    model stays as it was). Timed by the measurement engine (amp_recipes.measure)."""
-    from .measure import time_steps as timed_steps
-    from .memory import enable_gradient_checkpointing
-    from .meters import peak_memory_since_window, start_memory_window
+    model stays as it was). Timed by the measurement engine (amp_recipes.measure.engine)."""
+    from amp_recipes.amp.memory import enable_gradient_checkpointing
+    from amp_recipes.measure.engine import peak_memory_since_window, start_memory_window
+    from amp_recipes.measure.engine import time_steps as timed_steps
 
     start_memory_window(device)
     own_weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -301,8 +301,8 @@ def fp8_report(model, facts: dict, seq_len: int) -> dict:
     tokens, as the recipes' fp8 layer report reads them after prepare()."""
     from accelerate.utils.ao import filter_linear_layers, find_first_last_linear_layers
 
-    from .measure import fp8_flop_share
-    from .precision import FP8_BACKENDS, FP8_CAPABILITY
+    from amp_recipes.amp.precision import FP8_BACKENDS, FP8_CAPABILITY
+    from amp_recipes.measure.engine import fp8_flop_share
 
     capability = facts.get("compute_capability")
     if facts["device_type"] != "cuda" or tuple(map(int, capability.split("."))) < FP8_CAPABILITY:
@@ -486,7 +486,7 @@ def log_to_trackers(args, report: dict, report_dir: str | Path) -> None:
 def load_recipe(recipe: str):
     """A full recipe (shipped, by name, or your copy, by path) as a module: the doctor calls its
     parse_args, load_data and load_model."""
-    from .shipped import load
+    from amp_recipes.shipped import load
 
     module = load(recipe)
     if not all(hasattr(module, name) for name in ("parse_args", "load_data", "load_model")):
@@ -503,7 +503,7 @@ def model_and_rows(recipe, args, accelerator, steps: int):
     (`args.example`, which a copy keeps): glue, ner, qa or mlm."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from . import ner
+    from amp_recipes.tasks import ner
 
     config = AutoConfig.from_pretrained(args.model_name_or_path)
     extra = ner.tokenizer_kwargs(config) if args.example == "ner" else {}
@@ -535,9 +535,9 @@ def diagnose(
     deadline = time.monotonic() + budget_s
     from accelerate import Accelerator
 
-    from .hardware import cpu_has_native_bf16, hardware_record
-    from .measure import largest_batch, memory_budget
-    from .optim import make_optimizer
+    from amp_recipes.amp.hardware import cpu_has_native_bf16, hardware_record
+    from amp_recipes.measure.engine import largest_batch, memory_budget
+    from amp_recipes.training.optim import make_optimizer
 
     args = recipe.parse_args(recipe_argv)
     torch.manual_seed(args.seed)

@@ -1,7 +1,7 @@
 """GLUE and your own classification data, end to end: the task table, loading (the classic GLUE
 TSV folder, the Hub, or your csv / tsv / json / jsonl files) with their column and label checks,
 tokenisation (datasets' cache) and the collator. The metric is the shipped `glue` module
-(`amp_recipes.metrics`).
+(`amp_recipes.tasks.metrics`).
 
 Every source is normalised to the Hub's column names (`sentence1`, `question`, ...) plus `label`:
 an int class id in the Hub's label order, or a float for regression. That way a model fine-tuned
@@ -19,9 +19,9 @@ from pathlib import Path
 import datasets
 from transformers import DataCollatorWithPadding
 
-from .batches import check_max_length, pad_multiple
-from .errors import InputError
-from .files import load_hub_dataset, load_user_file, read_file
+from amp_recipes.errors import InputError
+from amp_recipes.tasks.batches import check_max_length, pad_multiple
+from amp_recipes.tasks.files import load_hub_dataset, load_user_file, read_file
 
 
 class LabelCount:
@@ -144,7 +144,7 @@ class TaskData(LabelCount):
     splits: datasets.DatasetDict  # "train" plus one or more eval splits, normalised columns
     text_columns: tuple[str, ...]
     label_names: tuple[str, ...] | None  # None means regression
-    metric_config: str  # config name of amp_recipes/metrics/glue
+    metric_config: str  # config name of amp_recipes/tasks/metrics/glue
     eval_splits: tuple[str, ...] = ("validation",)
 
 

@@ -34,7 +34,7 @@ when to checkpoint; `TrainingRun` does the rest:
 - the loop's bookkeeping, each a method the recipe calls where it happens: epochs and the batches
   a resumed run skips, the micro-batch and optimizer-step counts and the progress bar, the
   skipped-step warning and the stop when no loss scale helps, evaluation and checkpoint saves, the
-  best evaluation (--metric_for_best_model: its checkpoint, early stopping; amp_recipes.best), the
+  best evaluation (--metric_for_best_model: its checkpoint, early stopping; BestModel, below), the
   preemption exit (SIGTERM/SIGINT: a checkpoint, then exit 143/130);
 - the final save (`.final.tmp`, renamed into place; --load_best_model_at_end: the best evaluation's
   weights) and its summary, `eval_results.json` last;
@@ -46,21 +46,22 @@ when to checkpoint; `TrainingRun` does the rest:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from . import checkpoint, errors, hub, migration, optim, outputs, records
-from .best import BestModel
-from .compiling import CompileMonitor
-from .errors import TrainingDiverged, lost_rank_message
-from .memory import gradient_checkpointing_on
-from .meters import ThroughputMeter, peak_memory_bytes
-from .peers import PeerWatch
-from .precision import log_fp8_report, log_preflight
-from .telemetry import ActivationMonitor, StepTelemetry
+from amp_recipes import errors, no_trainer
+from amp_recipes.amp.compiling import CompileMonitor
+from amp_recipes.amp.memory import gradient_checkpointing_on
+from amp_recipes.amp.precision import log_fp8_report, log_preflight
+from amp_recipes.errors import InputError, TrainingDiverged, lost_rank_message
+from amp_recipes.measure.engine import peak_memory_bytes
+from amp_recipes.training import checkpoint, hub, optim, outputs
+from amp_recipes.training.peers import PeerWatch
+from amp_recipes.training.telemetry import ActivationMonitor, StepTelemetry, ThroughputMeter
 
 logger = get_logger(__name__)
 
@@ -78,13 +79,13 @@ class TrainingRun:
         self.checkpoints_dir = Path(args.output_dir) / "checkpoints"
         # --seed unset (--hf_example_defaults): one for the launch, drawn, or a resumed run's; the
         # recipe seeds with it.
-        migration.settle_seed(accelerator, args, self.checkpoints_dir)
+        no_trainer.settle_seed(accelerator, args, self.checkpoints_dir)
         self.step, self.epoch, self.batches_in_epoch, self.results = 0, 0, 0, {}
         self.progress = self.preemption = self.activations = None
         self.initial_weights = None
         self.last_checkpoint = None  # ((step, epoch, batches_in_epoch), path) of the last one written
         self.nonfinite_at = None  # the first inf/NaN module found at this step, for the stop message
-        self.best = None  # --metric_for_best_model: the best evaluation so far (amp_recipes.best)
+        self.best = None  # --metric_for_best_model: the best evaluation so far (BestModel, below)
         self.evaluated_step = None  # the step of the last evaluation (an epoch's end does not repeat it)
         self.train_loss = (
             None  # the mean training loss of the last epoch (eval_results.json, all_results.json)
@@ -122,7 +123,7 @@ class TrainingRun:
     def fingerprint(self, model) -> None:
         """Before prepare(): the sha256 of the weights as loaded (`initial_weights_sha256`); the arms
         of one seed in a paired run must start from the same weights."""
-        self.initial_weights = records.weights_fingerprint(model)
+        self.initial_weights = outputs.weights_fingerprint(model)
 
     def start(
         self, model, optimizer, train_dataloader, schedule, identity: dict, evaluate, predict=None, facts=None
@@ -173,8 +174,8 @@ class TrainingRun:
         }
         run_config = hub.redacted({**vars(args), **self.facts, **schedule._asdict()})  # no Hub token
         self.output.clear_previous_run(accelerator)  # --overwrite_output_dir: the old run's checkpoints go
-        records.init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
-        self.record = records.RunRecord(args.output_dir, accelerator.is_main_process, self.step or None)
+        outputs.init_trackers(accelerator, args, run_config, resumed["tracker_run_id"])  # W&B / TensorBoard
+        self.record = outputs.RunRecord(args.output_dir, accelerator.is_main_process, self.step or None)
         self.record.write_config(run_config)  # run_config.json: every setting, as the trackers have them
         logger.info(describe_run(args, self.precision, self.facts, schedule, self.step))
         self.meter = ThroughputMeter(accelerator.device)  # samples/s, tokens/s, padding
@@ -244,7 +245,7 @@ class TrainingRun:
         results.update(self._predictions())  # --do_predict: the test examples' predictions, written
         self._write_all_results(results)
         self.record.write_results({**results, "model_name_or_path": self.args.model_name_or_path})
-        records.write_final_figures(self.accelerator, results, self.step)  # W&B run summary, TensorBoard
+        outputs.write_final_figures(self.accelerator, results, self.step)  # W&B run summary, TensorBoard
         self.ended = True
         return results
 
@@ -398,7 +399,7 @@ class TrainingRun:
         """all_results.json, as the transformers example the recipe stands in for writes it (its
         keys; the numbers of eval_results.json), on the main process."""
         if self.accelerator.is_main_process and getattr(self.args, "example", None):
-            migration.write_all_results(self.args.output_dir, migration.all_results(summary, self.args))
+            no_trainer.write_all_results(self.args.output_dir, no_trainer.all_results(summary, self.args))
 
     def _predictions(self) -> dict:
         """--do_predict: the recipe's predict function writes the prediction files into
@@ -474,7 +475,7 @@ class TrainingRun:
             self.peers.stop()
         self._write_all_results(summary)  # the transformers example's all_results.json, same numbers
         self.record.write_results(summary)  # written last: its presence means the run finished
-        records.write_final_figures(accelerator, summary, self.step)  # W&B run summary, TensorBoard
+        outputs.write_final_figures(accelerator, summary, self.step)  # W&B run summary, TensorBoard
         logger.info(
             f"Saved model and eval_results.json to {self.args.output_dir}: {describe_results(summary)}"
         )
@@ -545,3 +546,90 @@ def describe_results(summary: dict) -> str:
     if "skipped_steps" in summary:
         parts.append(f"{summary['skipped_steps']} fp16 steps skipped, loss scale {summary['loss_scale']:g}")
     return "; ".join(parts)
+
+
+# ----------------------------------------------------------------- the best evaluation
+# The best evaluation of a run: --metric_for_best_model, --load_best_model_at_end and
+# --early_stopping_patience, as the Trainer has them.
+#
+# accelerate has no notion of a best checkpoint, and the Trainer's (`TrainerState.best_metric`,
+# `EarlyStoppingCallback`) lives inside the Trainer's loop, so the recipes keep their own: which
+# evaluation was best, at which step, in which checkpoint, and how many evaluations since then
+# brought no improvement. Its state goes into every checkpoint's record, so a resumed run goes on
+# comparing against the same best and counting the same patience.
+LOWER_IS_BETTER = ("loss", "perplexity")  # the Trainer's rule ("loss") and the masked LM's perplexity
+
+
+def metric_key(name: str) -> str:
+    """The eval_results.json key of --metric_for_best_model: `f1` and `eval_f1` both name `eval_f1`."""
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+class BestModel:
+    """Which evaluation so far was best by --metric_for_best_model, and whether to stop early."""
+
+    def __init__(self, args, state: dict | None = None):
+        self.key = metric_key(args.metric_for_best_model)
+        if args.greater_is_better is None:
+            self.greater_is_better = not any(word in self.key for word in LOWER_IS_BETTER)
+        else:
+            self.greater_is_better = args.greater_is_better == "true"
+        self.patience = args.early_stopping_patience
+        state = state or {}
+        # A checkpoint's best ranked by another metric or direction is not this run's best.
+        self.restarted = bool(state) and (state.get("key"), state.get("greater_is_better")) != (
+            self.key,
+            self.greater_is_better,
+        )
+        state = {} if self.restarted else state
+        self.value, self.step = state.get("value"), state.get("step")
+        self.results = state.get("results")  # the best evaluation's scores, as eval_results.json has them
+        self.checkpoint = state.get("checkpoint")  # its checkpoint's folder name (--load_best_model_at_end)
+        self.evaluations_without_improvement = state.get("evaluations_without_improvement", 0)
+
+    def update(self, results: dict, step: int) -> bool:
+        """Take an evaluation's scores; True when it is the best so far. A score that is not finite
+        never is."""
+        if self.key not in results:
+            names = ", ".join(k for k in results if k.startswith("eval_"))
+            raise InputError(
+                f"--metric_for_best_model {self.key} is not a score of this evaluation; it has {names}."
+            )
+        value = results[self.key]
+        if math.isfinite(value) and (self.value is None or self.beats(value)):
+            self.value, self.step, self.results = value, step, dict(results)
+            self.evaluations_without_improvement = 0
+            return True
+        self.evaluations_without_improvement += 1
+        return False
+
+    def beats(self, value: float) -> bool:
+        """Whether `value` is better than the best so far (a tie is not)."""
+        return value > self.value if self.greater_is_better else value < self.value
+
+    @property
+    def stop(self) -> bool:
+        """--early_stopping_patience evaluations in a row without improvement."""
+        return bool(self.patience) and self.evaluations_without_improvement >= self.patience
+
+    def state_dict(self) -> dict:
+        return {
+            "key": self.key,
+            "greater_is_better": self.greater_is_better,
+            "value": self.value,
+            "step": self.step,
+            "results": self.results,
+            "checkpoint": self.checkpoint,
+            "evaluations_without_improvement": self.evaluations_without_improvement,
+        }
+
+    def summary(self, stopped_early: bool) -> dict:
+        """For eval_results.json and the trackers: the metric, its best value and step, its
+        checkpoint, and whether the patience ran out before the last scheduled step."""
+        return {
+            "metric_for_best_model": self.key,
+            "best_metric": self.value,
+            "best_step": self.step,
+            "best_model_checkpoint": self.checkpoint,
+            "stopped_early": stopped_early,
+        }

@@ -38,7 +38,8 @@ import socket
 import threading
 from pathlib import Path
 
-from . import errors, outputs
+from amp_recipes import errors
+from amp_recipes.training import outputs
 
 POLL_S = 1.0  # how often the watch looks
 GRACE_S = 3.0  # how long the main thread gets to end by itself once something is wrong

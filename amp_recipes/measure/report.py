@@ -2,7 +2,7 @@
 benchmark, the paired runs, the GPU check, compare_runs): `<name>.json` and `<name>.md` written
 atomically, markdown tables, and the report as a tracker run (W&B and/or TensorBoard) through
 accelerate's tracker classes. The tools train nothing, so no Accelerator holds these trackers; a
-recipe's own run logs through its Accelerator (amp_recipes.records)."""
+recipe's own run logs through its Accelerator (amp_recipes.training.outputs)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 import shutil
 from pathlib import Path
 
-from .records import write_text_atomic
+from amp_recipes.training.outputs import write_text_atomic
 
 
 def json_safe(value):

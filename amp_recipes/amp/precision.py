@@ -29,9 +29,9 @@ from accelerate.utils import (
     parse_flag_from_env,
 )
 
-from .errors import InputError
-from .hardware import device_facts, tf32_matmul_enabled
-from .measure import fp8_flop_share
+from amp_recipes.amp.hardware import device_facts, tf32_matmul_enabled
+from amp_recipes.errors import InputError
+from amp_recipes.measure.engine import fp8_flop_share
 
 # A precision as the reports name it (the doctor's rows, the benchmark's and the paired runs' arms)
 # -> accelerate's mixed_precision. tf32 is fp32 with TF32 matmuls allowed.

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from accelerate.utils import DistributedType
 
-from .errors import InputError
+from amp_recipes.errors import InputError
 
 FUSED_ADAMW_DEVICES = ("cuda", "cpu", "mps", "xpu")  # torch has a fused AdamW kernel for these
 

@@ -1,4 +1,4 @@
-"""fp16 telemetry: loss scale, skipped steps, gradient norm, non-finite losses and activations.
+"""The step's figures: loss scale, skipped steps, gradient norm, non-finite losses, activations, throughput.
 
 accelerate owns the GradScaler; this module only watches it. Three things it adds:
 
@@ -12,6 +12,8 @@ accelerate owns the GradScaler; this module only watches it. Three things it add
 - `ActivationMonitor` samples, per module, the largest absolute activation relative to the
   fp16 maximum (65504): which layer is close to overflowing, even in an fp32 run.
 
+And the step's throughput: `ThroughputMeter` counts samples, tokens and padding.
+
 Everything lives on the device between logging steps; the host reads it once per log line.
 """
 
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 
-from .errors import TrainingDiverged
+from amp_recipes.errors import TrainingDiverged
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 # 16 halvings take GradScaler's default initial scale (2**16) to 1, i.e. no scaling at all; four
@@ -358,3 +361,82 @@ class ActivationMonitor:
         ratios = (torch.stack([self.maxima[n] for n in names]) / FP16_MAX).tolist()
         ranked = sorted(zip(names, ratios, strict=True), key=lambda item: -item[1])
         return dict(ranked[:top])
+
+
+class ThroughputMeter:
+    """Samples, tokens and padding over a window of training steps (`read` at each log line), and
+    over the whole run (`run_rates`, the sum of the windows)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.run_samples, self.run_tokens, self.run_seconds = 0, 0, 0.0
+        self.epoch_padded_tokens = 0  # over the epoch, for its padding fraction
+        self.epoch_real_tokens = torch.zeros((), dtype=torch.long, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.samples = 0
+        self.padded_tokens = 0  # host-side: shapes are known without a sync
+        self.real_tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        self.started = time.perf_counter()
+
+    def update(self, batch: dict) -> None:
+        input_ids = batch["input_ids"]
+        self.samples += input_ids.shape[0]
+        self.padded_tokens += input_ids.numel()
+        real = batch["attention_mask"].sum() if "attention_mask" in batch else input_ids.numel()
+        self.real_tokens += real
+        self.epoch_padded_tokens += input_ids.numel()
+        self.epoch_real_tokens += real
+
+    def epoch_padding_fraction(self, accelerator=None) -> float:
+        """Share of the epoch's batch positions that were padding (over all processes); resets."""
+        totals = torch.stack(
+            [self.epoch_real_tokens, torch.tensor(self.epoch_padded_tokens, device=self.device)]
+        )
+        if accelerator is not None and accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
+        real, padded = totals.tolist()
+        self.epoch_padded_tokens = 0
+        self.epoch_real_tokens.zero_()
+        return 1.0 - real / padded if padded else 0.0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the time spent in this block (evaluation) out of the training throughput."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - started
+
+    def read(self, accelerator=None) -> dict:
+        """Rates over the window since the last read (summed over processes), then start a new window."""
+        real_tokens = self.real_tokens
+        samples, padded = self.samples, self.padded_tokens
+        if accelerator is not None and accelerator.num_processes > 1:
+            totals = accelerator.reduce(
+                torch.tensor([samples, padded], device=self.device, dtype=torch.long), reduction="sum"
+            )
+            samples, padded = (int(v) for v in totals.tolist())
+            real_tokens = accelerator.reduce(real_tokens.clone(), reduction="sum")
+        real = int(real_tokens.item())
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.reset()
+        self.run_samples += samples
+        self.run_tokens += real
+        self.run_seconds += elapsed
+        return {
+            "samples_per_second": samples / elapsed,
+            "tokens_per_second": real / elapsed,
+            "padding_fraction": 1.0 - real / padded if padded else 0.0,
+        }
+
+    def run_rates(self) -> dict:
+        """Training time and throughput over every window read so far (evaluation left out)."""
+        seconds = max(self.run_seconds, 1e-9)
+        return {
+            "train_runtime_seconds": self.run_seconds,
+            "train_samples_per_second": self.run_samples / seconds,
+            "train_tokens_per_second": self.run_tokens / seconds,
+        }

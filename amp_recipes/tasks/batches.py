@@ -9,7 +9,7 @@ import signal
 import datasets
 import torch
 
-from .errors import InputError
+from amp_recipes.errors import InputError
 
 
 def first_rows(table: datasets.Dataset, limit: int | None) -> datasets.Dataset:

@@ -10,7 +10,7 @@ The examples' flags are the recipes' own (amp_recipes.arguments and each recipe'
 example's other name for a flag is another option string of it): docs/migrating.md's table is
 generated from those parsers by scripts/no_trainer_flags.py, which also names every flag of a
 newer release's examples that a recipe does not take. Here: the example's seed policy, tokenizer
-and length settings, and its all_results.json (amp_recipes.checkpoint resumes its checkpoint
+and length settings, and its all_results.json (amp_recipes.training.checkpoint resumes its checkpoint
 folders).
 """
 
@@ -33,7 +33,7 @@ def settle_seed(accelerator, args, checkpoints_dir: Path) -> None:
     from accelerate.logging import get_logger
     from accelerate.utils import broadcast_object_list
 
-    from . import checkpoint
+    from amp_recipes.training import checkpoint
 
     logger = get_logger(__name__)
 
@@ -112,6 +112,6 @@ def all_results(summary: dict, args) -> dict:
 
 def write_all_results(output_dir, results: dict) -> None:
     """all_results.json, as the examples write it (plain JSON, numbers as numbers)."""
-    from .records import write_text_atomic
+    from amp_recipes.training.outputs import write_text_atomic
 
     write_text_atomic(os.path.join(output_dir, "all_results.json"), json.dumps(results))

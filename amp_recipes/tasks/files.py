@@ -1,7 +1,7 @@
 """Where a task's data comes from: a user's data file (existence, UTF-8, the format its suffix
 names, and one `InputError` naming the file and the line when it cannot be read) or a Hub dataset
-(one `InputError` naming it, and how to work offline instead). Shared by every task module (`glue`,
-`mlm`, `ner`, `qa`), which add their own column and label checks."""
+(one `InputError` naming it, and how to work offline instead). Shared by every task module
+(`classification`, `mlm`, `ner`, `qa`), which add their own column and label checks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import datasets
 
-from .errors import InputError
+from amp_recipes.errors import InputError
 
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
 

@@ -7,9 +7,15 @@ recipe's model, the benchmark's under a fresh Accelerator per trial)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import math
 import os
+import re
+import resource
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,6 +38,47 @@ class OutOfTime(Exception):
 
 
 # ----------------------------------------------------------------------------- timed steps
+# ----------------------------------------------------------------- peak memory
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on a GPU, peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
+
+
+def current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def start_memory_window(device) -> int:
+    """Restart the peak-memory reading before a measurement; returns the baseline a CPU's figures
+    subtract (what the process held before: interpreter, libraries). On a GPU the allocator's own
+    peak restarts, after the cached blocks of an earlier measurement are released."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return 0
+    with contextlib.suppress(OSError, AttributeError):  # glibc: freed heap pages back to the system
+        ctypes.CDLL(None).malloc_trim(0)
+    with contextlib.suppress(OSError):  # Linux: "5" resets the process's peak resident set (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
+    return current_rss_bytes()
+
+
+def peak_memory_since_window(device) -> int:
+    """The CUDA allocator's peak, or on a CPU the peak resident set (VmHWM where Linux has it)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    with contextlib.suppress(OSError, AttributeError):
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+    return peak_memory_bytes(device)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -39,7 +86,7 @@ def synchronize(device: torch.device) -> None:
 
 def cpu_peak_restarts() -> bool:
     """Whether this process's peak resident set can be restarted before a measurement (Linux's
-    /proc/self/clear_refs, which amp_recipes.meters.start_memory_window writes): elsewhere a CPU's
+    /proc/self/clear_refs, which amp_recipes.measure.engine.start_memory_window writes): elsewhere a CPU's
     peak only grows, and a measurement in a process that measured before holds the earlier peaks."""
     return os.access("/proc/self/clear_refs", os.W_OK)
 
@@ -70,7 +117,7 @@ def fp8_flop_share(unwrapped: torch.nn.Module, fp8_names: list[str], seq_len: in
     score and weighted-sum matmuls included, which run in bf16): the doctor's, for the layers
     accelerate would convert, and the recipes' layer report's, for those it did. None for a model the
     meta-device copy cannot be built for (not a transformers model: no `config` to build it from)."""
-    from .flops import forward_flops_by_module
+    from amp_recipes.measure.flops import forward_flops_by_module
 
     try:
         flops = forward_flops_by_module(type(unwrapped), unwrapped.config, seq_len)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import datasets
 
-from .batches import check_max_length
-from .errors import InputError
-from .files import check_file, load_hub_dataset, load_user_file
+from amp_recipes.errors import InputError
+from amp_recipes.tasks.batches import check_max_length
+from amp_recipes.tasks.files import check_file, load_hub_dataset, load_user_file
 
 HUB_DATASET = "eriktks/conll2003"  # the Hub's CoNLL-2003 (English), integer tags + their names
 # datasets >= 4 runs no loading scripts; the Hub's parquet export of a script dataset loads anyway.

@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .errors import InputError
+from amp_recipes.errors import InputError
 
 TASK_TYPES = {  # the model's head (its class name ends with it) -> the Hub's task and pipeline tag
     "ForSequenceClassification": "text-classification",
@@ -133,7 +133,7 @@ def dataset_of(args, identity: dict) -> dict:
     if getattr(args, "dataset_name", None):  # NER
         return {"name": args.dataset_name, "type": args.dataset_name}
     if task in ("squad", "squad_v2"):
-        from .qa import HUB_DATASETS
+        from amp_recipes.tasks.qa import HUB_DATASETS
 
         dataset = HUB_DATASETS[task == "squad_v2"]
         return {"name": dataset, "type": dataset}

@@ -10,9 +10,9 @@ import datasets
 import torch
 from transformers import DataCollatorForLanguageModeling
 
-from .batches import check_max_length
-from .errors import InputError
-from .files import FILE_BUILDERS, load_user_file
+from amp_recipes.errors import InputError
+from amp_recipes.tasks.batches import check_max_length
+from amp_recipes.tasks.files import FILE_BUILDERS, load_user_file
 
 
 def load_text_files(
@@ -71,7 +71,7 @@ def load_named_dataset(
     """A Hub dataset of text (--dataset_name, --dataset_config_name): its `text` column, else its
     first (or --text_column); without a validation split, `validation_percentage` of the training
     texts held out (seeded split), as with your own files."""
-    from .files import load_hub_dataset
+    from amp_recipes.tasks.files import load_hub_dataset
 
     raw = load_hub_dataset(
         name, *([config] if config else []), offline="Give --train_file (and --validation_file) instead."

@@ -24,9 +24,8 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import SCALER_NAME
 
-from .errors import WRITE_ERRORS, CheckpointError, write_failure
-from .outputs import is_example_name
-from .records import fsync_dir, fsync_tree, write_json_atomic
+from amp_recipes.errors import WRITE_ERRORS, CheckpointError, write_failure
+from amp_recipes.training.outputs import fsync_dir, fsync_tree, is_example_name, write_json_atomic
 
 MARKER = "amp_checkpoint.json"  # written last: a folder without it is not a checkpoint
 LATEST = "latest"
