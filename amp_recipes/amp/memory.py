@@ -7,6 +7,10 @@ more compute for an encoder); the activation memory falls roughly by the number 
 `scripts/benchmark_precision.py --arms fp16,fp16+gradient_checkpointing` measures both on your
 device."""
 
+from transformers import PreTrainedModel
+
+from amp_recipes.errors import InputError
+
 
 def enable_gradient_checkpointing(model) -> None:
     """Checkpoint every layer, with torch's non-reentrant checkpoint (it works with autocast,
@@ -14,6 +18,11 @@ def enable_gradient_checkpointing(model) -> None:
 
     transformers renamed the call (`activation_checkpointing_enable`, 5.2x; the old
     `gradient_checkpointing_enable` warns there and goes in v6): the new name where it exists."""
+    if not isinstance(model, PreTrainedModel):
+        raise InputError(
+            f"--gradient_checkpointing checkpoints a transformers model's layers; {type(model).__name__} "
+            "is a model of your own: wrap its layers in torch.utils.checkpoint.checkpoint instead."
+        )
     kwargs = {"use_reentrant": False}
     # An encoder keeps no cache; said here, transformers does not warn that it turns use_cache off.
     model.config.use_cache = False
@@ -27,4 +36,4 @@ def gradient_checkpointing_on(model) -> bool:
     """Whether the model checkpoints its layers (read from the model, under either name)."""
     if hasattr(type(model), "is_activation_checkpointing"):
         return model.is_activation_checkpointing
-    return model.is_gradient_checkpointing
+    return getattr(model, "is_gradient_checkpointing", False)  # a model of your own: off unless it says

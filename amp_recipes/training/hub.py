@@ -14,6 +14,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from transformers import PreTrainedModel
+
 from amp_recipes.errors import InputError
 
 TASK_TYPES = {  # the model's head (its class name ends with it) -> the Hub's task and pipeline tag
@@ -160,6 +162,7 @@ def model_card(model, args, summary: dict, identity: dict, hub_repo: str | None 
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     task = task_type(model)
+    transformers_model = isinstance(model, PreTrainedModel)  # else a model of your own: its weights only
     data = dataset_of(args, identity)
     scores = {
         key.removeprefix("eval_"): value
@@ -176,7 +179,7 @@ def model_card(model, args, summary: dict, identity: dict, hub_repo: str | None 
         model_name=name,
         base_model=base if on_hub else None,
         datasets=[data["type"]] if data["type"] != "custom" else None,
-        library_name="transformers",
+        library_name="transformers" if transformers_model else None,
         pipeline_tag=task,
         tags=["amp-recipes", "mixed-precision", summary.get("precision_in_effect", "fp32")],
         # model-index names a Hub dataset: none for your own data (the text's table has its scores).
@@ -238,9 +241,20 @@ def model_card(model, args, summary: dict, identity: dict, hub_repo: str | None 
         "## Use it",
         "",
         "```python",
-        "from transformers import pipeline",
-        "",
-        f'model = pipeline("{task or "feature-extraction"}", model="{where}")',
+        *(
+            [
+                "from transformers import pipeline",
+                "",
+                f'model = pipeline("{task or "feature-extraction"}", model="{where}")',
+            ]
+            if transformers_model
+            else [
+                "from safetensors.torch import load_model",
+                "",
+                f"model = {type(model).__name__}(...)  # built as {recipe} builds it",
+                f'load_model(model, "{where}/model.safetensors")',
+            ]
+        ),
         "```",
         "",
     ]

@@ -425,6 +425,25 @@ def deepspeed_fp32_state_dict(engine, keep: bool = True) -> dict:
     return state_dict
 
 
+def save_weights(folder: Path, state_dict: dict, model) -> None:
+    """A model of your own (an nn.Module, not a transformers model): its trained weights as
+    `model.safetensors`, which `safetensors.torch.load_model(model, path)` loads into a new one.
+    Tied weights (one parameter under two names) are saved once, under the name load_model keeps,
+    as safetensors' save_model does; that function saves the module's own tensors, and these are
+    the fp32 weights `plain_state_dict` gathered (FSDP, ZeRO), not accelerator.save_model's
+    (compiled names, ZeRO's 16-bit copies)."""
+    from safetensors.torch import save_file
+
+    first_name = {}
+    tied = {}  # a second name of a parameter -> the name kept
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        kept = first_name.setdefault(id(parameter), name)
+        if kept != name:
+            tied[name] = kept
+    weights = {name: tensor.contiguous() for name, tensor in state_dict.items() if name not in tied}
+    save_file(weights, str(Path(folder) / "model.safetensors"), metadata={"format": "pt", **tied})
+
+
 def write_saved_dtype(folder: Path, state_dict: dict) -> None:
     """config.json's `dtype` as the saved weights are: save_pretrained writes the module's dtype,
     which under DeepSpeed bf16/fp16 is that of its 16-bit copies, not of the fp32 masters saved."""

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel
 
 from amp_recipes import errors, no_trainer
 from amp_recipes.amp.compiling import CompileMonitor
@@ -137,8 +138,7 @@ class TrainingRun:
         log_fp8_report(self.precision, logger)  # AMP: the Linear layers prepare() made fp8, if any
         self.model, self.schedule, self.evaluate_scores, self.predict = model, schedule, evaluate, predict
         self.plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP/compile wrapper
-        config = self.plain_model.config
-        model_shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"
+        model_type, model_shape, attention = describe_model(self.plain_model)
         self.identity = {**identity, "model": model_shape, "seed": args.seed}
         # A folder a transformers example wrote has no record of its position: `layout` places it.
         layout = (schedule.steps_per_epoch, len(train_dataloader), accelerator.gradient_accumulation_steps)
@@ -164,10 +164,10 @@ class TrainingRun:
             **self.precision,
             **identity,
             **(facts or {}),
-            "model_type": config.model_type,
+            "model_type": model_type,
             "distributed_type": accelerator.distributed_type.value,
             "total_train_batch_size": train_dataloader.total_batch_size * args.gradient_accumulation_steps,
-            "attn_implementation": config._attn_implementation,  # SDPA: fused
+            "attn_implementation": attention,  # SDPA: fused
             "gradient_checkpointing": gradient_checkpointing_on(self.plain_model),  # as the model says
             "optimizer": optim.describe_optimizer(optimizer),  # read inside DeepSpeed's wrappers too
             "initial_weights_sha256": self.initial_weights,
@@ -457,15 +457,20 @@ class TrainingRun:
             summary.update(self._load_best_model())
         # AMP: the fp32 master weights, gathered under FSDP / ZeRO, under the plain model's names
         state_dict = outputs.plain_state_dict(accelerator, model)
+        transformers_model = isinstance(self.plain_model, PreTrainedModel)
         with self.output.final_model(accelerator) as folder:  # .final.tmp, renamed into place when complete
-            self.plain_model.save_pretrained(
-                folder,
-                is_main_process=accelerator.is_main_process,
-                save_function=accelerator.save,
-                state_dict=dict(state_dict),  # a copy: save_pretrained empties the dict it is given
-            )
+            if transformers_model:  # config.json and the weights, for from_pretrained
+                self.plain_model.save_pretrained(
+                    folder,
+                    is_main_process=accelerator.is_main_process,
+                    save_function=accelerator.save,
+                    state_dict=dict(state_dict),  # a copy: save_pretrained empties the dict it is given
+                )
+            elif accelerator.is_main_process:  # a model of your own: model.safetensors, for load_model
+                outputs.save_weights(folder, state_dict, self.plain_model)
             if accelerator.is_main_process:
-                outputs.write_saved_dtype(folder, state_dict)  # config.json says fp32, as the weights are
+                if transformers_model:
+                    outputs.write_saved_dtype(folder, state_dict)  # config.json says fp32, as the weights are
                 tokenizer.save_pretrained(folder)
                 # README.md: task, data, precision, settings, command, dev scores (model-index metadata)
                 card = hub.model_card(self.plain_model, self.args, summary, self.identity, self.hub_repo)
@@ -485,6 +490,18 @@ class TrainingRun:
                 f"Uploaded to {hub.push_to_hub(self.hub_repo, Path(self.args.output_dir), self.args)}"
             )
         return summary
+
+
+def describe_model(model) -> tuple[str, str, str | None]:
+    """(model type, shape, attention implementation) for the run facts and a checkpoint's
+    identity: a transformers model's from its config (`bert/12x768`); a model of your own (an
+    nn.Module) its class and its number of parameter tensors, which sharding does not change."""
+    if isinstance(model, PreTrainedModel):
+        config = model.config
+        shape = f"{config.model_type}/{config.num_hidden_layers}x{config.hidden_size}"
+        return config.model_type, shape, config._attn_implementation
+    name = type(model).__name__
+    return name, f"{name}/{len(list(model.parameters()))} parameter tensors", None
 
 
 def run_end(exc: BaseException | None) -> str:

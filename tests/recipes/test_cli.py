@@ -1,6 +1,7 @@
 """`amp-recipes ls/cp`, a copied recipe running outside the repository, and the docs'
 "Make it your own" adaptations applied to copies and run."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -115,21 +116,33 @@ def documented_adaptations() -> dict[str, str]:
     return {title.strip(): diff for title, diff in found}
 
 
-def test_the_docs_have_three_adaptations():
-    assert list(documented_adaptations()) == ["Your own CSV data", "Another model family", "Another metric"]
+def test_the_docs_have_four_adaptations():
+    assert list(documented_adaptations()) == [
+        "Your own CSV data",
+        "Another model family",
+        "Another metric",
+        "A head of your own",
+    ]
 
 
-@pytest.mark.parametrize("title", ["Your own CSV data", "Another model family", "Another metric"])
-def test_adaptation_applies_to_a_copy_and_runs(tmp_path, title):
-    assert sh([*CLI, "cp", "bert_glue", tmp_path / "my_task.py"], tmp_path).returncode == 0
+def patched_copy(folder: Path, title: str) -> Path:
+    """`amp-recipes cp bert_glue my_task.py` in `folder`, with the docs' adaptation `title` applied
+    exactly (`patch --fuzz=0`: every line of context as it is in the recipe)."""
+    assert sh([*CLI, "cp", "bert_glue", folder / "my_task.py"], folder).returncode == 0
     patched = subprocess.run(
         ["patch", "--fuzz=0", "--no-backup-if-mismatch", "my_task.py"],
         input=documented_adaptations()[title],
-        cwd=tmp_path,
+        cwd=folder,
         capture_output=True,
         text=True,
     )
     assert patched.returncode == 0, patched.stdout + patched.stderr
+    return folder / "my_task.py"
+
+
+@pytest.mark.parametrize("title", ["Your own CSV data", "Another model family", "Another metric"])
+def test_adaptation_applies_to_a_copy_and_runs(tmp_path, title):
+    patched_copy(tmp_path, title)
     small_csvs(tmp_path)
     argv = [sys.executable, "my_task.py", "--max_train_steps", 2, "--per_device_train_batch_size", 4]
     argv += ["--output_dir", "out"]
@@ -148,3 +161,61 @@ def test_adaptation_applies_to_a_copy_and_runs(tmp_path, title):
     if title == "Another model family":
         assert results["model_type"] == "roberta"
     assert results["train_steps"] == 2
+
+
+def test_a_copy_with_a_head_of_its_own_trains_checkpoints_resumes_and_its_weights_load_back(tmp_path):
+    """The docs' "A head of your own" on a copy outside the repository: a plain nn.Module (no
+    config, no save_pretrained) trains, checkpoints, resumes to the same weights as the run it
+    resumes, and saves model.safetensors, which safetensors' load_model puts into a new model that
+    scores on the dev set what the run reported."""
+    from accelerate import Accelerator
+    from safetensors.torch import load_file, load_model
+    from transformers import AutoConfig, AutoTokenizer
+
+    from amp_recipes.tasks import metrics
+
+    copy = patched_copy(tmp_path, "A head of your own")
+    small_csvs(tmp_path)
+    data = ["--train_file", "reviews_train.csv", "--validation_file", "reviews_dev.csv"]
+    data += ["--text_columns", "review", "--label_column", "stars", "--model_name_or_path", str(TINY_BERT)]
+    argv = [sys.executable, "my_task.py", *data, "--max_train_steps", 4, "--checkpointing_steps", 2]
+    argv += ["--per_device_train_batch_size", 4, "--learning_rate", "1e-3", "--seed", 3]
+    done = sh([*argv, "--output_dir", "whole"], tmp_path, PYTHONPATH="")
+    assert done.returncode == 0, done.stderr[-2000:]
+    whole = tmp_path / "whole"
+    results = json.loads((whole / "eval_results.json").read_text())
+    assert results["model_type"] == "MeanPoolingClassifier" and results["train_steps"] == 4
+    assert sorted(p.name for p in (whole / "checkpoints").iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
+    assert not (whole / "config.json").exists()  # weights only: the class is the copy's own
+    assert 'load_model(model, "whole/model.safetensors")' in (whole / "README.md").read_text()
+
+    resumed = [*argv, "--output_dir", "resumed", "--resume_from_checkpoint", "whole/checkpoints/checkpoint-2"]
+    done = sh(resumed, tmp_path, PYTHONPATH="")
+    assert done.returncode == 0, done.stderr[-2000:]
+    weights, again = (
+        load_file(whole / "model.safetensors"),
+        load_file(tmp_path / "resumed" / "model.safetensors"),
+    )
+    assert weights.keys() == again.keys() and all(weights[k].equal(again[k]) for k in weights)
+    pretrained = load_file(TINY_BERT / "model.safetensors")["bert.embeddings.word_embeddings.weight"]
+    assert not weights["encoder.embeddings.word_embeddings.weight"].equal(pretrained)  # the encoder trained
+
+    # The user's way back: the copy builds its model, load_model puts the weights in, its evaluate() scores.
+    spec = importlib.util.spec_from_file_location("my_task", copy)
+    my_task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(my_task)
+    args = my_task.parse_args([*data, "--output_dir", str(tmp_path / "unused")])
+    accelerator = Accelerator(cpu=True)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_BERT)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        task, _, eval_loaders, _ = my_task.load_data(args, tokenizer, accelerator)
+    model = my_task.load_model(args, AutoConfig.from_pretrained(TINY_BERT), task)
+    load_model(model, whole / "model.safetensors")
+    metric = metrics.load_metric("glue", task.metric_config)
+    scores = my_task.evaluate(model, eval_loaders, metric, accelerator, task.is_regression)
+    assert scores["eval_samples"] == 20 and "eval_accuracy" in scores
+    assert scores == {key: results[key] for key in scores}

@@ -343,3 +343,13 @@ def test_the_kernels_huge_page_mode_is_the_bracketed_word(tmp_path):
     enabled.write_text("[always] madvise never\n")
     assert transparent_huge_pages(str(enabled)) == "always"
     assert transparent_huge_pages(str(tmp_path / "missing")) is None  # no THP in the kernel, or not Linux
+
+
+def test_gradient_checkpointing_refuses_a_model_of_your_own_in_one_sentence():
+    from amp_recipes.amp.memory import enable_gradient_checkpointing, gradient_checkpointing_on
+    from amp_recipes.errors import InputError
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert gradient_checkpointing_on(model) is False
+    with pytest.raises(InputError, match=r"Sequential is a model of your own: wrap its layers"):
+        enable_gradient_checkpointing(model)
