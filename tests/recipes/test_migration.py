@@ -16,15 +16,17 @@
 """
 
 import json
+import logging
 import shlex
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import RECIPES, REPO, TINY_BERT, accelerate_launch, load_recipe, reset_accelerate, run
+from conftest import RECIPES, REPO, TINY_BERT, accelerate_launch, load_recipe, reset_accelerate, run, train
 from safetensors.torch import load_file
 
+from amp_recipes.errors import InputError
 from amp_recipes.training.checkpoint import LATEST, MARKER
 
 FIXTURES = REPO / "tests" / "data" / "no_trainer"
@@ -273,12 +275,16 @@ ALL_RESULTS_KEYS = {  # the example's all_results.json keys (ours may add, never
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", list(no_trainer_flags.EXAMPLES))
 def test_the_examples_test_command_runs_unchanged_and_leaves_all_results_json(recipe, base_model, tmp_path):
+    """Each example's command line from transformers' test_accelerate_examples.py; GLUE's through
+    `accelerate launch` as that test runs it, the others in this process (the launcher is the same
+    for every recipe; what differs is the command line)."""
     output_dir = tmp_path / "out"
-    result = run(
-        accelerate_launch("--num_processes", 1, *example_test_command(recipe, base_model, output_dir)),
-        tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    script, *argv = example_test_command(recipe, base_model, output_dir)
+    if recipe == "bert_glue":
+        result = run(accelerate_launch("--num_processes", 1, script, *argv), tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        train(load_recipe(recipe), argv)
     all_results = json.loads((output_dir / "all_results.json").read_text())
     results = json.loads((output_dir / "eval_results.json").read_text())
     assert ALL_RESULTS_KEYS[recipe] <= set(all_results), all_results
@@ -315,19 +321,16 @@ def test_the_readme_command_parses_and_offline_stops_with_one_sentence(recipe, b
     """The README's command reads the Hub's dataset: every flag parses with the example's meaning,
     and here, offline, the run stops before any training with the one sentence that says why."""
     argv = shlex.split(README_COMMANDS[recipe].format(model=base_model, out=tmp_path / "out"))
-    args = load_recipe(recipe).parse_args(argv)
-    reset_accelerate()
+    module = load_recipe(recipe)
+    args = module.parse_args(argv)
     if recipe in ("bert_glue", "bert_ner"):
         assert args.max_seq_length == 128  # --max_length
-    result = run([sys.executable, RECIPES / f"{recipe}.py", *argv], tmp_path, timeout=300)
-    assert result.returncode == 1, result.stderr[-3000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert (
-        last.startswith("error: Could not load ")
-        and "from the Hugging Face Hub" in last
-        and "Offline?" in last
-    )
-    assert "Traceback" not in result.stderr
+    # An InputError, which the recipe prints as `error: <sentence>` (test_bad_input.py's matrix).
+    with pytest.raises(InputError) as stopped:
+        train(module, argv)
+    sentence = str(stopped.value)
+    assert sentence.startswith("Could not load ") and "from the Hugging Face Hub" in sentence
+    assert "Offline?" in sentence and "\n" not in sentence
 
 
 # ----------------------------------------------------------------------------- the example's checkpoints
@@ -395,8 +398,7 @@ def test_the_example_loads_the_recipes_epoch_folder(base_model, tmp_path):
         *("--model_name_or_path", base_model, "--per_device_train_batch_size", 2, "--output_dir", output_dir),
         *("--num_train_epochs", 1, "--checkpointing_steps", "epoch", "--weight_decay", 0.0),
     ]
-    result = run([sys.executable, RECIPES / "bert_glue.py", *map(str, argv)], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train(load_recipe("bert_glue"), argv)
     accelerator, model, optimizer, _, scheduler = example_objects(base_model)
     accelerator.load_state(str(output_dir / "epoch_0"))
     saved = load_file(str(output_dir / "epoch_0" / "model.safetensors"))
@@ -417,16 +419,18 @@ def test_a_sharded_folder_the_example_saved_is_refused_in_one_sentence(base_mode
         *("--model_name_or_path", base_model, "--output_dir", tmp_path / "out"),
         *("--resume_from_checkpoint", saved),
     ]
-    result = run([sys.executable, RECIPES / "bert_glue.py", *map(str, argv)], tmp_path)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {saved} is named as a transformers example's checkpoint") and (
-        "not FSDP's or DeepSpeed's sharded ones" in last
-    ), last
+    # An InputError, which the recipe prints as `error: <sentence>` (test_bad_input.py's matrix).
+    with pytest.raises(InputError) as refused:
+        train(load_recipe("bert_glue"), argv)
+    sentence = str(refused.value)
+    assert sentence.startswith(f"{saved} is named as a transformers example's checkpoint") and (
+        "not FSDP's or DeepSpeed's sharded ones" in sentence
+    ), sentence
+    assert "\n" not in sentence
 
 
 @pytest.mark.parametrize("kind", ["epoch_0", "step_5"])
-def test_a_folder_the_example_saved_resumes(kind, base_model, tmp_path):
+def test_a_folder_the_example_saved_resumes(kind, base_model, tmp_path, caplog):
     """epoch_0 (after the example's first epoch: 24 steps of 48 pairs in batches of 2) resumes at
     the start of epoch 2; step_5 at optimizer step 5, 5 batches into epoch 1. The recipe loads the
     folder's weights (resumed at its own last step it trains no further: its model is the folder's),
@@ -441,12 +445,12 @@ def test_a_folder_the_example_saved_resumes(kind, base_model, tmp_path):
         *("--resume_from_checkpoint", saved, "--max_train_steps", steps + (0 if kind == "epoch_0" else 3)),
         *("--logging_steps", 1, "--learning_rate", 5e-5, "--weight_decay", 0.0),
     ]
-    result = run([sys.executable, RECIPES / "bert_glue.py", *map(str, argv)], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    with caplog.at_level(logging.WARNING):
+        train(load_recipe("bert_glue"), argv)
     position = (
         "step 24, epoch 2, 0 batches into it" if kind == "epoch_0" else "step 5, epoch 1, 5 batches into it"
     )
-    assert "which a transformers no_trainer example wrote" in result.stderr and position in result.stderr
+    assert "which a transformers no_trainer example wrote" in caplog.text and position in caplog.text
     history = [json.loads(line) for line in (output_dir / "log_history.jsonl").read_text().splitlines()]
     trained = [row["step"] for row in history if "loss" in row]
     results = json.loads((output_dir / "eval_results.json").read_text())

@@ -204,10 +204,14 @@ def launch(name, mode, argv, tmp_path, expect_success=True):
 # Every two-process launch costs about 25 CPU-seconds before its first step (three Python
 # processes importing torch, transformers and evaluate), and an engine row makes two or three of
 # them: the rows CI leaves out took 26 CPU-minutes (docs/scaling-out.md), most of CI's 30-minute
-# budget on two cores. CI runs every in-process row, every plain DDP row, and of the rest one row
-# per engine (with its resume and its engine --eval_only) and the masked LM's FSDP2 refusal; the
-# others are `full_matrix` rows, run with --full-matrix (docs/scaling-out.md says when). In CI:
+# budget on two cores. CI runs every in-process row, DDP with the masked LM's tied weights, DDP +
+# torch.compile on GLUE, one row per engine (with its engine --eval_only; ZeRO-3's with its resume)
+# and the masked LM's FSDP2 refusal; the others are `full_matrix` rows, run with --full-matrix
+# (docs/scaling-out.md says when). NER's and QA's two-process scoring is their own tests'
+# (test_bert_ner.py, test_bert_qa.py); plain DDP on GLUE runs in test_multiprocess.py and
+# test_scale_out.py, and is ddp+compile's launch less the compile. In CI:
 IN_CI = {
+    ("bert_mlm", "ddp"),  # the tied decoder weight saved once, gathered from two processes
     ("bert_glue", "ddp+compile"),  # the DDP + torch.compile start-up is the recipes' shared code
     ("bert_glue", "fsdp2+fp8"),  # FSDP2, its mixed precision and torchao's fp8 all-gathers at once
     # ZeRO-3: partitioned parameters, the gathered fp32 save, DeepSpeed's resume and --eval_only, and
@@ -224,7 +228,7 @@ def row(name: str, mode: str):
     marks = []
     if MODES[mode][1]:
         marks.append(pytest.mark.slow)
-        if mode != "ddp" and (name, mode) not in IN_CI:
+        if (name, mode) not in IN_CI:
             marks.append(pytest.mark.full_matrix)
     return pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
 
@@ -234,6 +238,9 @@ ROWS = [row(name, mode) for name in RECIPES for mode in MODES]
 # tied weights (MLM): NER and QA run the same loop, engine and checkpoint code as GLUE, with a
 # Linear head of another size, and each resume costs a launch (about 30 CPU-seconds) in CI's budget.
 RESUMED = {"bert_glue", "bert_mlm"}
+# FSDP2's resume is test_engine_fp16.py's (its loss scale, exact weights), fp8's test_fp8.py's: the
+# fsdp2+fp8 row saves and reloads, and resumes under --full-matrix's fsdp2 rows.
+NOT_RESUMED = {"fsdp2+fp8"}
 # A bf16 or fp8 engine row evaluated in arithmetic this process does not repeat (FSDP2 casts the
 # weights to bf16, DeepSpeed runs a bf16 copy of the module, where autocast casts per operation; a
 # tiny model's NER scores then move by a whole entity): its --eval_only runs through the same
@@ -327,10 +334,12 @@ def test_trains_saves_reloads_and_scores_the_same(
     assert not frozen, f"{len(frozen)} of {len(saved)} weights never changed, e.g. {frozen[:3]}"
 
     # The mid-run checkpoint, resumed by the same launch, reaches the same final weights, bit for bit.
-    if engine and name in RESUMED:
+    if engine and name in RESUMED and mode not in NOT_RESUMED:
         resumed_dir = tmp_path / "resumed"
         checkpoint = output_dir / "checkpoints" / "checkpoint-2"
         resumed_argv = flags_of(name, mode, resumed_dir, corpus) + ["--resume_from_checkpoint", checkpoint]
+        if "--do_predict" in resumed_argv:  # the weights are compared, not the predictions
+            resumed_argv.remove("--do_predict")
         launched = launch(name, mode, resumed_argv, tmp_path)
         assert "checkpoint-2 at step 2" in launched.stderr
         again = load_file(str(resumed_dir / "model.safetensors"))

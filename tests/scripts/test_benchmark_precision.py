@@ -6,7 +6,16 @@ import sys
 
 import pytest
 import torch
-from conftest import GLUE_DIR, RECIPES, REPO, TINY_BERT, load_module, reset_accelerate, run
+from conftest import (
+    GLUE_DIR,
+    REPO,
+    TINY_BERT,
+    load_module,
+    load_recipe,
+    reset_accelerate,
+    run,
+    train,
+)
 from wandb_offline import offline_run
 
 import amp_recipes.measure.engine
@@ -383,13 +392,12 @@ def test_bad_arm_is_refused(tmp_path):
 def test_a_crashed_trial_fails_the_benchmark_loudly(tmp_path):
     """A trial that crashes for another reason than memory is a failure, never "does not fit"."""
     missing = tmp_path / "no-such-model"
-    command = [sys.executable, SCRIPT, "--model_name_or_path", missing, "--arms", "fp32", "--no_search"]
-    result = run([*command, "--seq_len", 16, "--output_dir", tmp_path / "out"], tmp_path)
-    assert result.returncode == 1
-    last = result.stderr.strip().splitlines()
-    assert any(line.startswith("error: the fp32 arm crashed at batch 32: OSError: ") for line in last), (
-        result.stderr[-2000:]
-    )
+    argv = ["--model_name_or_path", missing, "--arms", "fp32", "--no_search", "--seq_len", 16]
+    try:  # in this process, as test_an_out_of_memory_error_anywhere_in_a_trial_means_does_not_fit
+        with pytest.raises(SystemExit, match="^error: the fp32 arm crashed at batch 32: OSError: "):
+            load_module(SCRIPT).main([*map(str, argv), "--output_dir", str(tmp_path / "out")])
+    finally:
+        reset_accelerate()
     arm = json.loads((tmp_path / "out" / "results.json").read_text())["arms"]["fp32"]
     assert arm["fits"] is False and "no-such-model" in arm["crashed"]
     assert (
@@ -445,20 +453,11 @@ def test_compare_runs_on_two_real_fine_tunes(tmp_path):
         "--num_train_epochs",
         1,
     ]
-    for name, precision in (("fp32", "no"), ("bf16", "bf16")):
-        result = run(
-            [
-                sys.executable,
-                RECIPES / "bert_glue.py",
-                *common,
-                "--mixed_precision",
-                precision,
-                "--output_dir",
-                tmp_path / name,
-            ],
-            tmp_path,
+    for name, precision in (("fp32", "no"), ("bf16", "bf16")):  # the fine-tunes in this process
+        train(
+            load_recipe("bert_glue"),
+            [*common, "--mixed_precision", precision, "--output_dir", tmp_path / name],
         )
-        assert result.returncode == 0, result.stderr[-2000:]
     result = run(
         [
             sys.executable,
@@ -555,13 +554,17 @@ def test_each_head_trains_on_batches_of_its_shape(head, auto_class):
     assert torch.isfinite(loss) and head_layer.weight.grad.abs().sum() > 0
 
 
-def test_the_qa_head_at_a_squad_length_under_the_benchmark(tmp_path):
-    command = [sys.executable, SCRIPT, "--config_name", TINY_BERT, "--head", "qa", "--arms", "fp32"]
-    command += ["--seq_len", 384, "--batch_size", 2, "--warmup_steps", 1, "--timed_steps", 2, "--no_search"]
-    result = run([*command, "--bench_id", "qa", "--output_dir", tmp_path / "out"], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_the_qa_head_at_a_squad_length_under_the_benchmark(tmp_path, capsys):
+    script = load_module(SCRIPT)
+    argv = ["--config_name", TINY_BERT, "--head", "qa", "--arms", "fp32", "--seq_len", 384, "--batch_size", 2]
+    argv += ["--warmup_steps", 1, "--timed_steps", 2, "--no_search", "--bench_id", "qa"]
+    try:
+        script.main([*map(str, argv), "--output_dir", str(tmp_path / "out")])
+    finally:
+        reset_accelerate()
     arm = json.loads((tmp_path / "out" / "results.json").read_text())["arms"]["fp32"]
     assert arm["head"] == "qa" and arm["seq_len"] == 384 and arm["tokens_per_second"] > 0
     assert "qa head, seq_len 384" in (tmp_path / "out" / "results.md").read_text()
-    refused = run([sys.executable, SCRIPT, "--task_name", "mrpc", "--head", "token"], tmp_path)
-    assert refused.returncode == 2 and "--task_name times GLUE batches" in refused.stderr
+    with pytest.raises(SystemExit) as refused:
+        script.parse_args(["--task_name", "mrpc", "--head", "token"])
+    assert refused.value.code == 2 and "--task_name times GLUE batches" in capsys.readouterr().err
