@@ -250,9 +250,12 @@ def model_card(model, args, summary: dict, identity: dict, hub_repo: str | None 
             if transformers_model
             else [
                 "from safetensors.torch import load_model",
+                *(["from huggingface_hub import hf_hub_download"] if hub_repo else []),
                 "",
-                f"model = {type(model).__name__}(...)  # built as {recipe} builds it",
-                f'load_model(model, "{where}/model.safetensors")',
+                f"model = {type(model).__name__}(...)  # built as {recipe} builds it, from {base}",
+                f'load_model(model, hf_hub_download("{hub_repo}", "model.safetensors"))'
+                if hub_repo
+                else f'load_model(model, "{where}/model.safetensors")',
             ]
         ),
         "```",

@@ -10,8 +10,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_BERT, run
+from conftest import REPO, TINY_BERT, run, train
 from families import build_family
+
+pytestmark = pytest.mark.heavy  # copies of recipes run in processes of their own: CI's heavy lane (.ci/run)
 
 CLI = [sys.executable, "-m", "amp_recipes.cli"]
 
@@ -219,3 +221,13 @@ def test_a_copy_with_a_head_of_its_own_trains_checkpoints_resumes_and_its_weight
     scores = my_task.evaluate(model, eval_loaders, metric, accelerator, task.is_regression)
     assert scores["eval_samples"] == 20 and "eval_accuracy" in scores
     assert scores == {key: results[key] for key in scores}
+
+    # The docs' way to evaluate it with the recipe: the base model and the last checkpoint.
+    last = whole / "checkpoints" / "checkpoint-4"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        again = train(
+            my_task,
+            [*data, "--seed", 3, "--eval_only", "--resume_from_checkpoint", last, "--output_dir", "eval"],
+        )
+    assert {key: again[key] for key in scores} == scores

@@ -202,7 +202,8 @@ accelerator = Accelerator()
 resume = None if sys.argv[1] == "none" else sys.argv[1]
 args = argparse.Namespace(seed=None, resume_from_checkpoint=resume)
 no_trainer.settle_seed(accelerator, args, Path(resume or "."))
-print(f"rank {accelerator.process_index} seed {args.seed}", flush=True)
+sys.stdout.write(f"rank {accelerator.process_index} seed {args.seed}\\n")  # one write: lines never interleave
+sys.stdout.flush()
 accelerator.end_training()  # the process group ended before exit: else gloo can abort the exit
 """
 

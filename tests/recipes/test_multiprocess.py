@@ -16,6 +16,8 @@ TINY = glue_flags(
     seed=3,
 )
 TWO_PROCESSES = ["--multi_gpu", "--num_processes", 2, "--num_cpu_threads_per_process", 1]
+pytestmark = pytest.mark.heavy  # two-process launches in every test: CI's heavy lane (.ci/run)
+
 CPU_GROUP = {"ACCELERATE_USE_CPU": "1"}  # without a GPU: one gloo process group, not 2 lone runs
 
 

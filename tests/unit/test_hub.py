@@ -52,6 +52,21 @@ def test_counts_are_not_scores_and_your_own_data_gets_no_model_index(tmp_path):
     assert "| exact | 70 |" in own.text and "your data (train.csv)" in own.text
 
 
+def test_a_model_of_your_own_is_loaded_back_with_safetensors(tmp_path):
+    """A head of your own (an nn.Module): no transformers library tag, and the card loads its
+    weights with safetensors, from the Hub repo it was pushed to or from the output folder."""
+
+    class MeanPoolingClassifier:
+        pass
+
+    summary = {"eval_accuracy": 0.8}
+    pushed = hub.model_card(MeanPoolingClassifier(), flags(), summary, {}, hub_repo="me/my-task")
+    assert pushed.data.library_name is None
+    assert 'load_model(model, hf_hub_download("me/my-task", "model.safetensors"))' in pushed.text
+    local = hub.model_card(MeanPoolingClassifier(), flags(), summary, {})
+    assert 'load_model(model, "outputs/x/model.safetensors")' in local.text and "pipeline" not in local.text
+
+
 def test_the_token_leaves_sys_argv(monkeypatch):
     """W&B records sys.argv with each run and the card quotes it: the value is replaced there."""
     monkeypatch.setattr(sys, "argv", ["recipes/bert_glue.py", "--hub_token", "hf_abc", "--hub_token=hf_abc"])

@@ -3,6 +3,7 @@ torchrun's agent keeps, real processes that have ended, and NCCL's own error nam
 (torch's ErrorType). The whole path, a launch whose rank dies while another waits in a collective
 that never completes, runs in tests/recipes/test_scale_out.py."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -32,6 +33,10 @@ def store(monkeypatch):
         "TORCHELASTIC_RESTART_COUNT": "0",
     }.items():
         monkeypatch.setenv(name, value)
+    # An unfinished one_sentence_errors() of an earlier in-process test, finalised by the garbage
+    # collector in the middle of this test, would mark this process as ending (its `except
+    # BaseException` sees the GeneratorExit): collected now, before the mark is cleared.
+    gc.collect()
     monkeypatch.setitem(errors._END, "kind", None)
     # The product gives a launch's store 5 s to answer, and does without it after that. Beside CI's
     # other lanes, at nice 10, a connect to this in-process server has outlasted 5 s three times in

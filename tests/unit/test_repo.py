@@ -448,7 +448,7 @@ def test_a_copy_of_the_checkout_with_nothing_beside_it_reads_its_data(tmp_path):
 
 
 def test_no_library_module_imports_another_modules_private_names():
-    """What one module of amp_recipes shares with another is public: no `from .glue import _x`."""
+    """What one module of amp_recipes shares with another is public: no `from amp_recipes.tasks.classification import _x`."""
     import ast
 
     offenders = []
