@@ -203,7 +203,7 @@ def launch(name, mode, argv, tmp_path, expect_success=True):
 
 # Every two-process launch costs about 25 CPU-seconds before its first step (three Python
 # processes importing torch, transformers and evaluate), and an engine row makes two or three of
-# them: the rows CI leaves out took 26 CPU-minutes (docs/scaling-out.md), most of CI's 30-minute
+# them: the rows CI leaves out took 26 CPU-minutes (docs/scaling-out.md), more than CI's 20-minute
 # budget on two cores. CI runs every in-process row, DDP with the masked LM's tied weights, DDP +
 # torch.compile on GLUE, one row per engine (with its engine --eval_only; ZeRO-3's with its resume)
 # and the masked LM's FSDP2 refusal; the others are `full_matrix` rows, run with --full-matrix
