@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -512,12 +513,17 @@ def test_the_library_has_no_import_cycle():
 
 def test_the_module_map_is_the_tree():
     """recipes/README.md's module map and the API reference name every module of amp_recipes, each
-    where it lives, and nothing else; each subpackage's docstring names its modules."""
+    where it lives, and nothing else; each subpackage's docstring names its modules, and
+    pyproject.toml ships every package."""
     modules = library_modules()
     page = (RECIPES / "README.md").read_text()
     table = page.split("| module | holds |", 1)[1].split("\n\n", 1)[0]
     mapped = re.findall(r"^\| `([\w.]+)` \|", table, flags=re.M)
     assert sorted(mapped) == sorted(modules), "recipes/README.md's module map against amp_recipes/"
+    # Every package of the tree ships in the wheel (`pip install .`, the Docker image).
+    shipped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    packages = {f"amp_recipes.{name}" for name, path in modules.items() if path.name == "__init__.py"}
+    assert packages <= set(shipped), sorted(packages - set(shipped))
     documented = re.findall(
         r"^::: amp_recipes\.([\w.]+)$", (REPO / "docs" / "api.md").read_text(), flags=re.M
     )
