@@ -432,12 +432,12 @@ def test_predicted_peak_memory_and_step_time_against_the_recipes_own_runs(minilm
 @pytest.mark.slow
 def test_minilms_predicted_loss_scale_is_within_a_factor_2_of_a_real_fp16_runs(monkeypatch, tmp_path):
     """From 2**21, above what MiniLM's gradients allow (the doctor predicts 4 skipped steps down to
-    2**17 on MRPC): the scale the recipe's real fp16 run (the CPU fixture) backs off to in 7 steps,
+    2**17 on MRPC): the scale the recipe's real fp16 run (the CPU fixture) backs off to in 5 steps,
     against the doctor's prediction from 8 fp32 steps with the same flags. Rows cut to 32 tokens:
     a CPU without native fp16 arithmetic took 22 s a step at full length here (2-core AMD EPYC,
     batch 16, alone); the loss scale is a property of the gradients the flags give, whatever their
     length, and the doctor sees the same rows."""
-    flags = glue_flags(model_name_or_path=minilm_path(), per_device_train_batch_size=16, max_train_steps=7)
+    flags = glue_flags(model_name_or_path=minilm_path(), per_device_train_batch_size=16, max_train_steps=5)
     flags += ["--max_seq_length", 32, "--fp16_init_scale", 2**21, "--fp16_growth_interval", 1000]
     glue = load_recipe("bert_glue")
     # In this process, the probe's 8 steps and no more (budget_s=0: nothing timed, no batch search):
@@ -451,7 +451,7 @@ def test_minilms_predicted_loss_scale_is_within_a_factor_2_of_a_real_fp16_runs(m
         results = train(glue, [*flags, "--mixed_precision", "fp16", "--output_dir", tmp_path / "fp16"])
     finally:
         reset_accelerate()
-    assert results["precision_in_effect"] == "fp16" and results["train_steps"] == 7
+    assert results["precision_in_effect"] == "fp16" and results["train_steps"] == 5
     assert results["skipped_steps"] >= 3  # the real run did back off
     assert risk["settled_loss_scale"] / 2 <= results["loss_scale"] <= risk["settled_loss_scale"] * 2
     assert abs(results["skipped_steps"] - risk["initial_skipped_steps"]) <= 1
