@@ -3,7 +3,6 @@ torchrun's agent keeps, real processes that have ended, and NCCL's own error nam
 (torch's ErrorType). The whole path, a launch whose rank dies while another waits in a collective
 that never completes, runs in tests/recipes/test_scale_out.py."""
 
-import gc
 import os
 import subprocess
 import sys
@@ -33,10 +32,6 @@ def store(monkeypatch):
         "TORCHELASTIC_RESTART_COUNT": "0",
     }.items():
         monkeypatch.setenv(name, value)
-    # An unfinished one_sentence_errors() of an earlier in-process test, finalised by the garbage
-    # collector in the middle of this test, would mark this process as ending (its `except
-    # BaseException` sees the GeneratorExit): collected now, before the mark is cleared.
-    gc.collect()
     monkeypatch.setitem(errors._END, "kind", None)
     # The product gives a launch's store 5 s to answer, and does without it after that. Beside CI's
     # other lanes, at nice 10, a connect to this in-process server has outlasted 5 s three times in
@@ -62,11 +57,19 @@ def watch(**kwargs) -> peers.PeerWatch:
     return peer_watch
 
 
+def put(store, name: str, value: str) -> None:
+    """What another rank writes into the launch's store, applied before the watch reads it: under
+    load the watch's own connection read a key before the writer's `set` was in (twice in CI's runs
+    of 2026-12-08); a `get` on the writer's connection returns only once the server has the key."""
+    store.set(errors.store_key(name), value)
+    store.get(errors.store_key(name))
+
+
 def register(store, rank: int, pid: int, machine: str | None = None, start: str | None = None) -> None:
     """As a rank registers itself: machine, pid, and the process's start time (an ended process's
     is gone: a start time it once had stands in)."""
     start = start or peers.process_start(pid) or "12345"
-    store.set(errors.store_key(f"pid/{rank}"), f"{machine or peers.machine()} {pid} {start}")
+    put(store, f"pid/{rank}", f"{machine or peers.machine()} {pid} {start}")
 
 
 def test_nothing_is_wrong_while_every_peer_runs(store):
@@ -108,7 +111,7 @@ def test_a_peer_that_said_how_it_ended_did_not_die(store, ended, expected):
     process ended: only the error ends the others, with a pointer to it."""
     peer_watch = watch()
     register(store, 1, ended_process())
-    store.set(errors.store_key("ended/1"), ended)
+    put(store, "ended/1", ended)
     message = peer_watch.check()
     assert message == (peers.failed_message(3) if expected == "failed" else None)
     assert not store.check([errors.store_key("lost")])
@@ -120,7 +123,7 @@ def test_a_peer_on_another_machine_is_judged_by_the_store_alone(store):
     register(store, 1, ended_process(), machine="elsewhere/1")
     assert peer_watch.check() is None
     lost = peers.died_message(1, 3, "pid 7 on elsewhere")
-    store.set(errors.store_key("lost"), lost)
+    put(store, "lost", lost)
     assert peer_watch.check() == lost
 
 
