@@ -37,8 +37,7 @@ class OutOfTime(Exception):
     """The search's deadline: the next trial would end past it."""
 
 
-# ----------------------------------------------------------------------------- timed steps
-# ----------------------------------------------------------------- peak memory
+# ----------------------------------------------------------------------------- peak memory
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: CUDA allocator peak on a GPU, peak resident set size on a CPU."""
     if device.type == "cuda":
@@ -79,6 +78,7 @@ def peak_memory_since_window(device) -> int:
     return peak_memory_bytes(device)
 
 
+# ----------------------------------------------------------------------------- timed steps
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

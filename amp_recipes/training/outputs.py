@@ -44,7 +44,7 @@ PREDICTION_PATTERNS = ("predict_results_*.txt", "predictions.txt", "predict_*.js
 logger = get_logger(__name__)
 
 
-# ----------------------------------------------------------------- the run record
+# ----------------------------------------------------------------------------- the run record
 def fsync_dir(folder: str | os.PathLike) -> None:
     """Flush a folder's entries (a rename into it) to disk."""
     descriptor = os.open(folder, os.O_RDONLY)
@@ -171,7 +171,7 @@ def write_final_figures(accelerator, summary: dict, step: int) -> None:
             tracker.tracker.flush()
 
 
-# ----------------------------------------------------------------- the folder
+# ----------------------------------------------------------------------------- the folder
 
 
 def is_example_name(name: str) -> bool:

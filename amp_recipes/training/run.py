@@ -565,7 +565,7 @@ def describe_results(summary: dict) -> str:
     return "; ".join(parts)
 
 
-# ----------------------------------------------------------------- the best evaluation
+# ----------------------------------------------------------------------------- the best evaluation
 # The best evaluation of a run: --metric_for_best_model, --load_best_model_at_end and
 # --early_stopping_patience, as the Trainer has them.
 #

@@ -365,7 +365,9 @@ class ActivationMonitor:
 
 class ThroughputMeter:
     """Samples, tokens and padding over a window of training steps (`read` at each log line), and
-    over the whole run (`run_rates`, the sum of the windows)."""
+    over the whole run (`run_rates`, the sum of the windows). The non-padding tokens are counted on
+    the device and read only at a log line: an `.item()` every step would make the host wait for
+    the device, and stall the asynchronous pipeline mixed precision relies on."""
 
     def __init__(self, device: torch.device):
         self.device = device
